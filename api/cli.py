@@ -1,0 +1,59 @@
+"""The `kvindex` command line: one dispatcher, one module per subcommand.
+
+Each subcommand module (api/cmd_<name>.py) exposes `configure(parser)` and `run(args) -> int`.
+Modules are imported lazily so `kvindex hash` does not pay for aiohttp or ZMQ start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvindex.api.cmd_serve", "the indexer service"),
+    "sim": ("kvindex.api.cmd_sim", "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)"),
+    "demo": ("kvindex.api.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
+    "hash": ("kvindex.api.cmd_hash", "vLLM block hashes for a token sequence"),
+    "compat": ("kvindex.api.cmd_compat", "hash-compatibility harness"),
+}
+
+
+class CliError(Exception):
+    """A usage or input problem: printed as one sentence on stderr, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvindex", description="Cross-pod KV-cache indexer for vLLM fleets."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # subcommand not built yet
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.configure(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(run(args))
+    except CliError as exc:
+        print(f"kvindex {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
