@@ -1,0 +1,54 @@
+"""What the ingest pipeline reports about itself: per-stream status and counters.
+
+Plain values read by the HTTP API (`/v1/pods`) and turned into Prometheus metrics at scrape time by
+api/metrics.py, so the write path never pays for metric objects.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Pod states, as CONTRACT.md names them.
+STATE_LIVE = "live"
+STATE_REPLAYING = "replaying"
+STATE_RESYNCING = "resyncing"
+STATE_SILENT = "silent"
+STATE_HASH_MISMATCH = "hash_mismatch"
+STATE_DISCONNECTED = "disconnected"
+
+
+class PodStatus(msgspec.Struct):
+    """One (pod, dp rank) stream, as `GET /v1/pods` shows it."""
+
+    pod: str
+    model: str
+    dp_rank: int
+    endpoint: str
+    state: str
+    last_seq: int | None
+    last_event_age_s: float | None
+    events_total: int
+    gaps_total: int
+    replays_total: int
+    blocks: int
+    hash_mismatches_total: int
+    # Extensions beyond CONTRACT.md (operators asked for them):
+    partial_view: bool = False  # joined late and the engine's ring no longer started at seq 0
+    restarts_total: int = 0
+
+
+class IngestCounters(msgspec.Struct):
+    """Process-wide counters, monotonically increasing (Prometheus counters)."""
+
+    # event type ("BlockStored" | "BlockRemoved" | "AllBlocksCleared") -> applied events
+    events_applied: dict[str, int] = {}
+    # reason -> dropped events or messages (decode errors, bad frames, non-prefix groups, ...)
+    dropped: dict[str, int] = {}
+    gaps: int = 0
+    # outcome ("ok" | "history_lost" | "timeout" | "error") -> replays
+    replays: dict[str, int] = {}
+    restarts: int = 0
+    hash_mismatches: int = 0
+    unknown_parents: int = 0
+    block_size_mismatches: int = 0
+    non_prefix_group_events: int = 0
