@@ -89,7 +89,9 @@ def format_table(results: Sequence[PolicyResult]) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(len(_HEADERS))]
     lines = []
     for number, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        cells = [row[0].ljust(widths[0])] + [
+            cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)
+        ]
         lines.append("  ".join(cells).rstrip())
         if number == 0:
             lines.append("  ".join("-" * width for width in widths))
@@ -125,5 +127,7 @@ class ProgressLine:
     def finish(self, done: int, result: PolicyResult) -> None:
         prefix = "\r" if self._tty else ""
         suffix = "\x1b[K" if self._tty else ""
-        self._stream.write(prefix + self._text(done, result) + f"  ({result.elapsed_s:.1f} s)" + suffix + "\n")
+        self._stream.write(
+            prefix + self._text(done, result) + f"  ({result.elapsed_s:.1f} s)" + suffix + "\n"
+        )
         self._stream.flush()
