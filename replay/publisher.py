@@ -198,10 +198,13 @@ class EventPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued has been sent; False on timeout."""
         with self._progress:
-            return self._progress.wait_for(
-                lambda: self._num_handled >= self._num_enqueued or not self._thread.is_alive(),
-                timeout=timeout_s,
-            ) and self._num_handled >= self._num_enqueued
+            return (
+                self._progress.wait_for(
+                    lambda: self._num_handled >= self._num_enqueued or not self._thread.is_alive(),
+                    timeout=timeout_s,
+                )
+                and self._num_handled >= self._num_enqueued
+            )
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (for up to `timeout_s`), stop the thread, close sockets (linger 0)."""

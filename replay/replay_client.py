@@ -22,7 +22,11 @@ class ReplayResult(msgspec.Struct):
 
 
 def replay_from(
-    endpoint: str, start_seq: int, *, timeout_s: float = 2.0, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+    endpoint: str,
+    start_seq: int,
+    *,
+    timeout_s: float = 2.0,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
 ) -> ReplayResult:
     """Request every buffered batch with seq >= start_seq and collect them until the end marker.
 

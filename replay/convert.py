@@ -1,0 +1,114 @@
+"""The one seam between vLLM's wire events (replay/wire.py) and kvindex's own (indexer/events.py).
+
+Write path: frames -> wire decode -> **convert** -> per-pod queue -> index apply. Pure: values in, values
+out. Hashes become 64-bit keys (raw digests folded like vLLM's int hashes), the medium becomes the tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from kvindex.indexer.events import (
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+    key_from_digest,
+)
+from kvindex.replay import wire
+
+_U64_MASK = 2**64 - 1
+_I64_MIN = -(2**63)
+_MIN_DIGEST_BYTES = 8
+_ALL_BLOCKS_CLEARED = AllBlocksCleared()
+
+WireBlockStored = wire.BlockStored | wire.LooseBlockStored | wire.ArrayBlockStored
+WireBlockRemoved = wire.BlockRemoved | wire.LooseBlockRemoved | wire.ArrayBlockRemoved
+
+
+class ConvertError(ValueError):
+    """A wire event that decoded but carries a value kvindex cannot use; `reason` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def block_key(block_hash: wire.ExternalBlockHash) -> int:
+    """The 64-bit key of one wire hash: ints as they are, raw digests folded like vLLM's int form.
+
+    A negative int is read as a signed 64-bit value (a producer using int64) and folded to unsigned.
+    """
+    if type(block_hash) is int:
+        if block_hash >= 0:
+            return block_hash
+        if block_hash >= _I64_MIN:
+            return block_hash & _U64_MASK
+        raise ConvertError("bad_hash", f"hash {block_hash} is below the signed 64-bit range")
+    if isinstance(block_hash, bytes):
+        if len(block_hash) < _MIN_DIGEST_BYTES:
+            raise ConvertError("bad_hash", f"digest of {len(block_hash)} bytes is shorter than 8")
+        return key_from_digest(block_hash)
+    raise ConvertError("bad_hash", f"hash of type {type(block_hash).__name__}")
+
+
+def block_keys(block_hashes: Sequence[wire.ExternalBlockHash]) -> tuple[int, ...]:
+    """Keys of a hash list in order. Fast when every hash is a non-negative int (vLLM's default)."""
+    if all(type(h) is int for h in block_hashes):
+        int_keys = cast(tuple[int, ...], tuple(block_hashes))
+        if not int_keys or min(int_keys) >= 0:
+            return int_keys
+    return tuple(block_key(h) for h in block_hashes)
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (msgpack arrays) to tuples, recursively, so extra keys are hashable."""
+    if isinstance(value, list):
+        return tuple(_freeze(item) for item in value)
+    return value
+
+
+def _extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | None:
+    if extra_keys is None:
+        return None
+    if not any(extra_keys):
+        # A plain request publishes [nil, ...]; an empty entry means the same thing.
+        return (None,) * len(extra_keys)
+    return tuple(_freeze(entry) if entry else None for entry in extra_keys)
+
+
+def convert_stored(event: WireBlockStored) -> BlocksStored:
+    parent = event.parent_block_hash
+    lookahead = event.lookahead_token_ids
+    return BlocksStored(
+        block_keys=block_keys(event.block_hashes),
+        parent_key=None if parent is None else block_key(parent),
+        token_ids=tuple(event.token_ids),
+        block_size=event.block_size,
+        tier=event.medium or TIER_GPU,
+        lora_name=event.lora_name,
+        extra_keys=_extra_keys(event.extra_keys),
+        group_idx=event.group_idx,
+        spec_kind=event.kv_cache_spec_kind,
+        locality=event.locality,
+        lookahead_token_ids=None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
+    )
+
+
+def convert_removed(event: WireBlockRemoved) -> BlocksRemoved:
+    return BlocksRemoved(
+        block_keys=block_keys(event.block_hashes),
+        tier=event.medium or TIER_GPU,
+        group_idx=event.group_idx,
+    )
+
+
+def convert_event(event: wire.AnyWireEvent) -> KVEvent:
+    """One wire event (any accepted shape) -> kvindex's event; raises ConvertError on unusable values."""
+    if isinstance(event, (wire.BlockStored, wire.LooseBlockStored, wire.ArrayBlockStored)):
+        return convert_stored(event)
+    if isinstance(event, (wire.BlockRemoved, wire.LooseBlockRemoved, wire.ArrayBlockRemoved)):
+        return convert_removed(event)
+    return _ALL_BLOCKS_CLEARED

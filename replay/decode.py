@@ -1,0 +1,145 @@
+"""Stage 3 of the write path: a batch payload (msgpack) -> kvindex's EventBatch. Pure, no sockets.
+
+Fast path: the whole batch through one typed decoder of vLLM 0.33's exact shape. When that fails, the
+batch is split into raw events and each is decoded on its own, accepting older and partial shapes; an
+event that still cannot be read is dropped and counted by reason, and the rest of the batch survives.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from kvindex.indexer.events import EventBatch, KVEvent
+from kvindex.replay import wire
+from kvindex.replay.convert import ConvertError, convert_event
+
+# Built once: msgspec decoders are immutable and reusable.
+_BATCH_DECODER = msgspec.msgpack.Decoder(wire.KVEventBatch)
+_RAW_ARRAY_BATCH_DECODER = msgspec.msgpack.Decoder(wire.RawArrayBatch)
+_RAW_MAP_BATCH_DECODER = msgspec.msgpack.Decoder(wire.RawMapBatch)
+_LOOSE_EVENT_DECODER = msgspec.msgpack.Decoder(wire.LooseWireEvent)
+_ARRAY_EVENT_DECODER = msgspec.msgpack.Decoder(wire.ArrayWireEvent)
+_ANY_DECODER = msgspec.msgpack.Decoder()
+
+# Reasons, as metric labels.
+REASON_NOT_MSGPACK = "not_msgpack"  # batch: not one complete msgpack value
+REASON_BAD_BATCH = "bad_batch"  # batch: valid msgpack, but not [ts, [events...], rank?]
+REASON_UNKNOWN_EVENT = "unknown_event_type"  # event: a tag this version does not know
+REASON_MALFORMED_EVENT = "malformed_event"  # event: known tag, fields of the wrong shape
+REASON_BAD_HASH = "bad_hash"  # event: a hash that is not a 64-bit int or a digest
+
+_MAP_MARKERS = frozenset({0xDE, 0xDF, *range(0x80, 0x90)})
+_ARRAY_MARKERS = frozenset({0xDC, 0xDD, *range(0x90, 0xA0)})
+
+
+class DecodeError(ValueError):
+    """The batch itself is unreadable (nothing in it can be trusted); `reason` is a metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class DecodedBatch(msgspec.Struct, frozen=True):
+    """A decoded batch and what was dropped from it (reason -> number of events)."""
+
+    batch: EventBatch
+    dropped: dict[str, int]
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one KV-event batch payload, keeping every readable event in order.
+
+    Raises DecodeError only when the batch as a whole cannot be read; a bad or unknown event is dropped
+    and counted in `dropped`.
+    """
+    try:
+        wire_batch = _BATCH_DECODER.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return _decode_event_by_event(payload)
+    events: list[KVEvent] = []
+    dropped: dict[str, int] = {}
+    for wire_event in wire_batch.events:
+        try:
+            events.append(convert_event(wire_event))
+        except ConvertError as exc:
+            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+    batch = EventBatch(ts=wire_batch.ts, events=tuple(events), dp_rank=wire_batch.data_parallel_rank)
+    return DecodedBatch(batch=batch, dropped=dropped)
+
+
+def _decode_raw_batch(payload: bytes) -> wire.RawArrayBatch | wire.RawMapBatch:
+    # NOTE: msgspec.ValidationError subclasses msgspec.DecodeError, so it is caught first.
+    try:
+        return _RAW_ARRAY_BATCH_DECODER.decode(payload)
+    except msgspec.ValidationError as array_exc:
+        try:
+            return _RAW_MAP_BATCH_DECODER.decode(payload)
+        except msgspec.DecodeError:
+            raise DecodeError(REASON_BAD_BATCH, str(array_exc)) from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(REASON_NOT_MSGPACK, str(exc)) from None
+
+
+def _decode_event_by_event(payload: bytes) -> DecodedBatch:
+    raw_batch = _decode_raw_batch(payload)
+    events: list[KVEvent] = []
+    dropped: dict[str, int] = {}
+    for raw_event in raw_batch.events:
+        try:
+            events.append(decode_event(raw_event))
+        except (ConvertError, EventError) as exc:
+            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+    batch = EventBatch(ts=raw_batch.ts, events=tuple(events), dp_rank=raw_batch.data_parallel_rank)
+    return DecodedBatch(batch=batch, dropped=dropped)
+
+
+class EventError(ValueError):
+    """One event that cannot be read; the batch around it is fine."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def decode_event(raw_event: msgspec.Raw | bytes) -> KVEvent:
+    """Decode one event in any accepted shape (0.33 map, partial map, array of any length).
+
+    Raises EventError (unknown tag, wrong field shapes) or ConvertError (unusable hash).
+    """
+    raw = bytes(raw_event)
+    marker = raw[0] if raw else -1
+    decoder = (
+        _LOOSE_EVENT_DECODER
+        if marker in _MAP_MARKERS
+        else _ARRAY_EVENT_DECODER
+        if marker in _ARRAY_MARKERS
+        else None
+    )
+    if decoder is None:
+        raise EventError(REASON_MALFORMED_EVENT, "event is neither a map nor an array")
+    try:
+        wire_event = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise EventError(_classify(raw), str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise EventError(REASON_MALFORMED_EVENT, str(exc)) from None
+    return convert_event(wire_event)
+
+
+def _classify(raw: bytes) -> str:
+    """Why an event failed to decode: a tag we do not know, or a known tag with bad fields."""
+    try:
+        value = _ANY_DECODER.decode(raw)
+    except msgspec.DecodeError:
+        return REASON_MALFORMED_EVENT
+    if isinstance(value, dict):
+        tag = value.get("type")
+    elif isinstance(value, list) and value:
+        tag = value[0]
+    else:
+        tag = None
+    return REASON_MALFORMED_EVENT if isinstance(tag, str) and tag in wire.EVENT_TAGS else REASON_UNKNOWN_EVENT
