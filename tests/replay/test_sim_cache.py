@@ -90,8 +90,9 @@ def test_store_evict_reset_events_equal_vllm_blockpool() -> None:
     cache.take_events()
     assert cache.reset_prefix_cache() is True
     reset_events = cache.take_events()
-    assert encode_batch(KVEventBatch(ts=1700000000.25, events=reset_events, data_parallel_rank=0)).hex() == (
-        reset_step["batch_payload_hex"]
+    assert (
+        encode_batch(KVEventBatch(ts=1700000000.25, events=reset_events, data_parallel_rank=0)).hex()
+        == (reset_step["batch_payload_hex"])
     )
     assert cache.cached_block_hashes() == frozenset()
 
@@ -276,7 +277,12 @@ def test_bad_requests_leave_the_cache_untouched() -> None:
     cache = SimPrefixCache(capacity_blocks=2, block_size=4)
     tokens = list(range(8))
     cache.run("a", tokens[:5], chained_digests(tokens[:5], 4))
-    before = (cache.block_hash_counts(), cache.num_free_blocks, cache.prefix_cache_queries, cache.take_events())
+    before = (
+        cache.block_hash_counts(),
+        cache.num_free_blocks,
+        cache.prefix_cache_queries,
+        cache.take_events(),
+    )
     with pytest.raises(CapacityError):
         cache.run("big", list(range(100, 113)), chained_digests(list(range(100, 113)), 4))
     with pytest.raises(ValueError):
