@@ -1,0 +1,344 @@
+"""The sequence watermark against a model of vLLM's publisher: seqs per process from 0, a ring of the last
+N batches, no epoch. Table tests for each rule, then hypothesis streams with drops, duplicates,
+reordering and restarts compared with what the engine actually published."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvindex.replay.sequence import Apply, ClearPod, FetchReplay, ReplayedItem, SequenceTracker
+
+Item = tuple[int, int]  # (engine epoch, seq): what the engine really published
+
+
+class Engine:
+    """vLLM's ZmqEventPublisher as the rules state it: seq from 0 per process, ring of buffer_steps."""
+
+    def __init__(self, buffer_steps: int) -> None:
+        self.buffer_steps = buffer_steps
+        self.epoch = 0
+        self.next_seq = 0
+        self.ring: deque[Item] = deque(maxlen=buffer_steps)
+        self.replay_works = True
+
+    def publish(self) -> Item:
+        item = (self.epoch, self.next_seq)
+        self.next_seq += 1
+        self.ring.append(item)
+        return item
+
+    def restart(self) -> None:
+        self.epoch += 1
+        self.next_seq = 0
+        self.ring = deque(maxlen=self.buffer_steps)
+
+    def replay(self, start_seq: int) -> tuple[list[ReplayedItem[Item]], bool]:
+        if not self.replay_works:
+            return [], False
+        return [ReplayedItem(s, (e, s), digest(e, s)) for e, s in self.ring if s >= start_seq], True
+
+
+def digest(epoch: int, seq: int) -> int:
+    return epoch * 1_000_003 + seq
+
+
+class Driver:
+    """Performs the tracker's actions the way the ingest worker does; `view` is the applied stream."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tracker: SequenceTracker[Item] = SequenceTracker()
+        self.view: list[Item] = []
+        self.clears: list[str] = []
+        self.fetches: list[FetchReplay] = []
+
+    def run(self, actions: list) -> None:  # type: ignore[type-arg]
+        while actions:
+            next_actions: list = []  # type: ignore[type-arg]
+            for action in actions:
+                if isinstance(action, Apply):
+                    self.view.append(action.item)
+                elif isinstance(action, ClearPod):
+                    self.clears.append(action.reason)
+                    self.view.clear()
+                elif isinstance(action, FetchReplay):
+                    self.fetches.append(action)
+                    replayed, complete = self.engine.replay(action.start_seq)
+                    next_actions = self.tracker.on_replay(replayed, complete)
+            actions = next_actions
+
+    def live(self, item: Item) -> None:
+        self.run(self.tracker.on_live(item[1], item, digest(*item)))
+
+
+def started(buffer_steps: int = 100) -> tuple[Engine, Driver]:
+    engine = Engine(buffer_steps)
+    driver = Driver(engine)
+    driver.run(driver.tracker.begin_join())
+    return engine, driver
+
+
+def test_in_order_stream_is_applied_as_is() -> None:
+    engine, driver = started()
+    for _ in range(5):
+        driver.live(engine.publish())
+    assert driver.view == [(0, s) for s in range(5)]
+    assert driver.fetches == [FetchReplay(0, "join")]
+    assert not driver.tracker.resyncing and not driver.tracker.partial_view
+
+
+def test_late_join_merges_ring_and_live_without_duplicates() -> None:
+    engine = Engine(100)
+    for _ in range(4):
+        engine.publish()
+    driver = Driver(engine)
+    first_live = engine.publish()
+    driver.live(first_live)  # first contact: join replay from 0 returns 0..4
+    driver.live(engine.publish())
+    assert driver.view == [(0, s) for s in range(6)]
+    assert driver.tracker.num_duplicates == 1
+    assert not driver.tracker.partial_view
+
+
+def test_late_join_after_ring_overflow_is_a_partial_view() -> None:
+    engine = Engine(3)
+    for _ in range(6):
+        engine.publish()
+    driver = Driver(engine)
+    driver.run(driver.tracker.begin_join())
+    assert driver.view == [(0, 3), (0, 4), (0, 5)]
+    assert driver.tracker.partial_view and not driver.tracker.resyncing
+    assert driver.clears == []
+
+
+def test_gap_is_filled_from_the_ring_in_order() -> None:
+    engine, driver = started()
+    driver.live(engine.publish())
+    engine.publish()
+    engine.publish()
+    driver.live(engine.publish())
+    assert driver.view == [(0, s) for s in range(4)]
+    assert driver.fetches[-1] == FetchReplay(0, "gap")  # from last_applied, to check its digest
+    assert driver.tracker.num_gaps == 1
+
+
+def test_duplicate_after_replay_is_skipped() -> None:
+    engine, driver = started()
+    items = [engine.publish() for _ in range(3)]
+    driver.live(items[0])
+    driver.live(items[2])  # gap -> replay brings 1, 2
+    driver.live(items[1])  # the delayed live copy
+    assert driver.view == items
+    assert driver.tracker.num_duplicates >= 1
+
+
+def test_seq_zero_after_later_ones_is_a_restart() -> None:
+    engine, driver = started()
+    for _ in range(3):
+        driver.live(engine.publish())
+    engine.restart()
+    driver.live(engine.publish())
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, 0)]
+    assert driver.tracker.num_restarts == 1
+
+
+def test_restart_seen_only_through_an_old_seq_is_verified_against_the_ring() -> None:
+    engine, driver = started(buffer_steps=1000)
+    for _ in range(300):  # beyond the remembered digests
+        driver.live(engine.publish())
+    engine.restart()
+    engine.publish()
+    driver.live(engine.publish())  # seq 1 of the new engine; seq 0 lost
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, 0), (1, 1)]
+
+
+def test_restart_with_higher_seqs_is_caught_by_the_digest_of_last_applied() -> None:
+    engine, driver = started()
+    for _ in range(3):
+        driver.live(engine.publish())
+    engine.restart()
+    for _ in range(5):
+        engine.publish()
+    driver.live(engine.publish())  # seq 5 looks like a gap after 2; the ring's seq 2 differs
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, s) for s in range(6)]
+
+
+def test_gap_older_than_the_ring_clears_and_resyncs() -> None:
+    engine, driver = started(buffer_steps=3)
+    driver.live(engine.publish())
+    for _ in range(5):
+        engine.publish()
+    driver.live(engine.publish())
+    assert driver.clears == ["history_lost"]
+    assert driver.view == [(0, 4), (0, 5), (0, 6)]
+    assert driver.tracker.resyncing
+    driver.tracker.view_complete()
+    assert not driver.tracker.resyncing
+
+
+def test_failed_replay_on_a_gap_is_lost_history_not_silence() -> None:
+    engine, driver = started()
+    driver.live(engine.publish())
+    engine.publish()
+    engine.replay_works = False
+    driver.live(engine.publish())
+    assert driver.clears == ["history_lost"]
+    assert driver.view == [(0, 2)]
+    assert driver.tracker.resyncing
+
+
+def test_quiet_probe_recovers_a_lost_tail() -> None:
+    engine, driver = started()
+    driver.live(engine.publish())
+    engine.publish()
+    engine.publish()
+    driver.run(driver.tracker.begin_probe())
+    assert driver.view == [(0, 0), (0, 1), (0, 2)]
+    assert driver.fetches[-1] == FetchReplay(0, "probe")
+
+
+def test_quiet_probe_detects_a_silent_restart() -> None:
+    engine, driver = started()
+    for _ in range(4):
+        driver.live(engine.publish())
+    engine.restart()
+    engine.publish()
+    driver.run(driver.tracker.begin_probe())  # ring's newest seq 0 < last applied 3
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, 0)]
+
+
+def test_probe_with_nothing_new_changes_nothing() -> None:
+    engine, driver = started()
+    for _ in range(2):
+        driver.live(engine.publish())
+    driver.run(driver.tracker.begin_probe())
+    assert driver.view == [(0, 0), (0, 1)] and driver.clears == []
+
+
+def test_live_items_arriving_while_a_replay_is_out_are_held_and_merged() -> None:
+    engine = Engine(100)
+    tracker: SequenceTracker[Item] = SequenceTracker()
+    assert tracker.begin_join() == [FetchReplay(0, "join")]
+    items = [engine.publish() for _ in range(4)]
+    assert tracker.on_live(2, items[2], digest(*items[2])) == []
+    assert tracker.on_live(3, items[3], digest(*items[3])) == []
+    ring = [ReplayedItem(s, (0, s), digest(0, s)) for s in range(3)]
+    actions = tracker.on_replay(ring, True)
+    assert [a.seq for a in actions if isinstance(a, Apply)] == [0, 1, 2, 3]
+
+
+# -- randomized: the applied view always equals what the engine holds (or is flagged) ---------------
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.booleans()),
+        st.tuples(st.just("dup"), st.integers(0, 50)),
+        st.tuples(st.just("swap"), st.booleans()),
+        st.tuples(st.just("restart"), st.booleans()),
+        st.tuples(st.just("probe"), st.booleans()),
+        st.tuples(st.just("reconnect"), st.booleans()),
+        st.tuples(st.just("replay_down"), st.booleans()),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(buffer_steps=st.sampled_from([2, 4, 1000]), program=steps, late=st.integers(0, 5))
+def test_random_streams_match_the_engine(buffer_steps: int, program: list, late: int) -> None:  # type: ignore[type-arg]
+    engine = Engine(buffer_steps)
+    for _ in range(late):
+        engine.publish()
+    driver = Driver(engine)
+    delivered: list[Item] = []
+    ever_lost = late > buffer_steps
+    for op, arg in program:
+        if op == "publish":
+            item = engine.publish()
+            if arg:
+                delivered.append(item)
+                driver.live(item)
+        elif op == "dup" and delivered:
+            item = delivered[-1 - arg % len(delivered)]
+            if item[0] == engine.epoch:
+                driver.live(item)
+        elif op == "swap":
+            first, second = engine.publish(), engine.publish()
+            driver.live(second)
+            driver.live(first)
+        elif op == "restart":
+            # A new engine process means a new TCP connection: the subscriber reports a reconnect.
+            engine.restart()
+            delivered = []
+            driver.tracker.on_reconnect()
+        elif op == "reconnect":
+            driver.tracker.on_reconnect()
+        elif op == "probe":
+            driver.run(driver.tracker.begin_probe())
+        elif op == "replay_down":
+            engine.replay_works = arg
+            ever_lost = ever_lost or not arg
+        # At every step: one engine's batches, in order, without holes.
+        seqs = [s for _, s in driver.view]
+        assert len({epoch for epoch, _ in driver.view}) <= 1
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+    engine.replay_works = True
+    driver.run(driver.tracker.begin_join())
+    driver.run(driver.tracker.begin_probe())
+
+    truth = list(engine.ring) if engine.next_seq else []
+    full = [(engine.epoch, s) for s in range(engine.next_seq)]
+    view = driver.view
+    # Never an old engine's batch, never out of order, always up to the newest batch.
+    assert all(epoch == engine.epoch for epoch, _ in view)
+    assert [s for _, s in view] == sorted({s for _, s in view})
+    if view:
+        assert view[-1] == full[-1]
+        assert view == full[view[0][1] :], "the view has a hole"
+    else:
+        assert not full
+    if view != full:
+        # Something was lost and the tracker says so.
+        assert driver.tracker.resyncing or driver.tracker.partial_view
+        assert len(full) > buffer_steps or ever_lost
+    if buffer_steps == 1000 and not ever_lost:
+        assert view == full
+    assert set(truth) <= set(view) or driver.tracker.resyncing or driver.tracker.partial_view
+
+
+def test_restart_continuing_our_seqs_is_caught_after_the_reconnect() -> None:
+    engine, driver = started()
+    driver.live(engine.publish())  # (0, 0)
+    engine.restart()
+    driver.tracker.on_reconnect()
+    engine.publish()
+    driver.live(engine.publish())  # (1, 1) looks like the next seq; the ring's seq 0 differs
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, 0), (1, 1)]
+
+
+def test_reconnect_to_the_same_engine_changes_nothing() -> None:
+    engine, driver = started()
+    driver.live(engine.publish())
+    driver.tracker.on_reconnect()
+    driver.live(engine.publish())
+    assert driver.clears == [] and driver.view == [(0, 0), (0, 1)]
+
+
+def test_restart_whose_ring_skips_last_applied_is_not_stitched_onto_the_old_stream() -> None:
+    engine, driver = started(buffer_steps=2)
+    driver.live(engine.publish())  # (0, 0)
+    engine.restart()
+    driver.tracker.on_reconnect()
+    engine.publish()
+    engine.publish()
+    driver.live(engine.publish())  # (1, 2): the ring holds (1, 1), (1, 2) and cannot vouch for seq 0
+    assert all(epoch == 1 for epoch, _ in driver.view)
+    assert driver.view == [(1, 1), (1, 2)]
+    assert driver.tracker.resyncing
