@@ -1,0 +1,101 @@
+"""compose.yaml, deploy/prometheus.yml and the Dockerfile agree with the CLI and with each other.
+
+Docker is not run here: the files are parsed and every `kvindex` command they name goes through the
+real argument parser (and, for `serve`, the real configuration builder), so a renamed flag breaks
+this test instead of a user's `docker compose up`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvindex.api.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_yaml(path: Path) -> Any:
+    yaml = pytest.importorskip("yaml")  # PyYAML: needed in the [test] extra
+    return yaml.safe_load(path.read_text())
+
+
+def _kvindex_services(compose: dict[str, Any]) -> dict[str, list[str]]:
+    """Services running our image -> their command as an argv (the image's entrypoint is `kvindex`)."""
+    commands = {}
+    for name, service in compose["services"].items():
+        if service.get("build") is None and not str(service.get("image", "")).startswith("kvindex"):
+            continue
+        command = service["command"]
+        commands[name] = shlex.split(command) if isinstance(command, str) else list(command)
+    return commands
+
+
+def test_every_kvindex_command_parses() -> None:
+    compose = _load_yaml(ROOT / "compose.yaml")
+    commands = _kvindex_services(compose)
+    assert sorted(command[0] for command in commands.values()) == ["serve", "sim", "sim", "sim"]
+    parser = build_parser()
+    for name, argv in commands.items():
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # argparse's way of refusing
+            raise AssertionError(f"service {name}: `kvindex {' '.join(argv)}` does not parse") from exc
+        if argv[0] == "serve":
+            from kvindex.api.config import build_serve_config
+
+            environment = compose["services"][name].get("environment") or {}
+            config = build_serve_config(args, {k: str(v) for k, v in environment.items()})
+            assert [pod.pod_id for pod in config.pods] == ["engine-a", "engine-b", "engine-c"]
+
+
+def test_serve_dials_each_engine_where_it_binds() -> None:
+    compose = _load_yaml(ROOT / "compose.yaml")
+    services = compose["services"]
+    commands = _kvindex_services(compose)
+    pod_flags = [argv[i + 1] for argv in commands.values() for i, arg in enumerate(argv) if arg == "--pod"]
+    assert pod_flags
+    for flag in pod_flags:
+        pod_id, _, rest = flag.partition("=")
+        endpoint, _, replay = rest.partition(",replay=")
+        assert pod_id in services, f"--pod {flag}: no service named {pod_id}"
+        engine_argv = commands[pod_id]
+        # The engine binds on all interfaces at the ports kvindex dials by service name.
+        assert endpoint == f"tcp://{pod_id}:5557"
+        assert replay == f"tcp://{pod_id}:5558"
+        assert "tcp://*:5557" in engine_argv and "tcp://*:5558" in engine_argv
+    # Same hash seed everywhere, or no prompt hash would match an event hash.
+    seeds = {str((services[name].get("environment") or {}).get("PYTHONHASHSEED")) for name in commands}
+    assert len(seeds) == 1 and seeds != {"None"}
+
+
+def test_prometheus_scrapes_kvindex_metrics() -> None:
+    compose = _load_yaml(ROOT / "compose.yaml")
+    prometheus = compose["services"]["prometheus"]
+    mounted = [volume.split(":")[0] for volume in prometheus["volumes"]]
+    assert mounted == ["./deploy/prometheus.yml"]
+    config = _load_yaml(ROOT / "deploy" / "prometheus.yml")
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = [t for c in jobs["kvindex"]["static_configs"] for t in c["targets"]]
+    assert targets == ["kvindex:8080"]
+    assert jobs["kvindex"].get("metrics_path", "/metrics") == "/metrics"
+    serve_argv = _kvindex_services(compose)["kvindex"]
+    assert serve_argv[serve_argv.index("--http") + 1].endswith(":8080")
+
+
+def test_dockerfile_installs_the_package_and_runs_kvindex() -> None:
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    instructions = [line for line in lines if line and not line.startswith("#")]
+    assert instructions[0] == "FROM python:3.11-slim"
+    assert 'ENTRYPOINT ["kvindex"]' in instructions
+    assert any(line.startswith("RUN pip install .") for line in instructions)
+    for line in instructions:
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    # Everything the package is built from must reach the build context.
+    for needed in ("pyproject.toml", "README.md", "kvindex", "hashing", "replay", "indexer", "api"):
+        assert needed not in ignored
