@@ -1,0 +1,99 @@
+"""Per-pod ordered queues: FNV-1a sharding (published test values) and per-pod order under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kvindex.indexer.pod_queues import PodQueues, fnv1a_32, worker_for
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        # From the FNV reference test suite (draft-eastlake-fnv, test vectors for FNV-1a 32).
+        (b"", 0x811C9DC5),
+        (b"a", 0xE40C292C),
+        (b"foobar", 0xBF9CF968),
+    ],
+)
+def test_fnv1a_32_published_values(data: bytes, expected: int) -> None:
+    assert fnv1a_32(data) == expected
+
+
+def test_a_pod_always_maps_to_one_worker_and_pods_spread() -> None:
+    assert worker_for("foobar", 7) == 0xBF9CF968 % 7
+    workers = {worker_for(f"pod-{i}", 4) for i in range(100)}
+    assert workers == {0, 1, 2, 3}
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.005)  # ok
+
+
+def test_each_pods_items_are_handled_in_order_by_one_thread() -> None:
+    seen: dict[str, list[int]] = {}
+    threads: dict[str, set[str]] = {}
+    lock = threading.Lock()
+
+    def handle(pod_id: str, item: int) -> None:
+        with lock:
+            seen.setdefault(pod_id, []).append(item)
+            threads.setdefault(pod_id, set()).add(threading.current_thread().name)
+
+    queues: PodQueues[int] = PodQueues(handle, num_workers=3, queue_size=100_000)
+    queues.start()
+    pods = [f"pod-{i}" for i in range(10)]
+    for n in range(500):
+        for pod in pods:
+            assert queues.submit(pod, n)
+    wait_for(lambda: sum(len(v) for v in seen.values()) == 5000)
+    assert queues.stop()
+    assert all(seen[pod] == list(range(500)) for pod in pods)
+    assert all(len(names) == 1 for names in threads.values())
+
+
+def test_full_queue_drops_and_reports_it_and_a_blocked_pod_does_not_stall_other_workers() -> None:
+    release = threading.Event()
+    handled: list[tuple[str, int]] = []
+    blocked_pod = "foobar"
+    other_pod = next(f"p{i}" for i in range(100) if worker_for(f"p{i}", 2) != worker_for(blocked_pod, 2))
+
+    def handle(pod_id: str, item: int) -> None:
+        if pod_id == blocked_pod:
+            assert release.wait(10)
+        handled.append((pod_id, item))
+
+    queues: PodQueues[int] = PodQueues(handle, num_workers=2, queue_size=2)
+    queues.start()
+    assert queues.submit(blocked_pod, 0)
+    wait_for(lambda: queues.depth() == 0)  # the worker holds item 0
+    assert queues.submit(blocked_pod, 1) and queues.submit(blocked_pod, 2)
+    assert not queues.submit(blocked_pod, 3)  # bounded: dropped, and the caller is told
+    assert queues.submit(other_pod, 7)
+    wait_for(lambda: (other_pod, 7) in handled)
+    release.set()
+    wait_for(lambda: len(handled) == 4)
+    assert [i for p, i in handled if p == blocked_pod] == [0, 1, 2]
+    assert queues.stop()
+
+
+def test_a_failing_handler_does_not_kill_the_worker() -> None:
+    handled: list[int] = []
+
+    def handle(pod_id: str, item: int) -> None:
+        if item == 0:
+            raise RuntimeError("bad item")
+        handled.append(item)
+
+    queues: PodQueues[int] = PodQueues(handle, num_workers=1)
+    queues.start()
+    queues.submit("a", 0)
+    queues.submit("a", 1)
+    wait_for(lambda: handled == [1])
+    assert queues.stop()
+    assert queues.stop()  # idempotent
