@@ -1,0 +1,132 @@
+"""`kvindex serve`: the indexer service process.
+
+Flags + TOML (api/config.py) -> IngestService (the write path) + the aiohttp app (the read path).
+Prints `kvindex serve: listening on http://HOST:PORT` once the HTTP socket is bound (port 0 resolved),
+and stops cleanly on SIGTERM or SIGINT: HTTP first, then ingest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from kvindex.api.cli import CliError
+
+if TYPE_CHECKING:
+    from kvindex.api.config import ServeConfig
+    from kvindex.indexer.ingest import IngestService
+
+logger = logging.getLogger("kvindex.serve")
+
+# Also checked by api/config.py; repeated here so `kvindex --help` need not import the service stack.
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--http", metavar="HOST:PORT", help="where to serve the HTTP API (default 0.0.0.0:8080)"
+    )
+    parser.add_argument(
+        "--pod",
+        action="append",
+        metavar="ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]",
+        help="connect mode: dial this engine's PUB socket (and ROUTER replay socket); repeatable",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="ENDPOINT",
+        help="bind mode: bind a SUB socket here for engines that dial in (topic kv@<pod>@<model>)",
+    )
+    parser.add_argument(
+        "--listen-replay",
+        metavar="TEMPLATE",
+        help="bind mode: replay endpoint of a pod that dialled in, e.g. tcp://{pod}:5558 "
+        "(placeholders {pod} and {model}; vLLM's DP port offset is added for ranks > 0); default: no replay",
+    )
+    parser.add_argument("--model", metavar="NAME", help="the model served (or the one the next flags change)")
+    parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
+    parser.add_argument(
+        "--hash-algo", choices=HASH_ALGOS, help="vLLM's --prefix-caching-hash-algo (default sha256)"
+    )
+    parser.add_argument(
+        "--hash-seed",
+        metavar="SEED",
+        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset -> vLLM's rule)",
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file with models, pods, tiers, limits, ingest")
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), help="log verbosity (default info)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: aiohttp, ZMQ and the index are only paid for by `kvindex serve` itself.
+    from kvindex.api.config import ConfigError, build_serve_config
+    from kvindex.indexer.ingest import IngestService
+
+    try:
+        config = build_serve_config(args, os.environ)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    _configure_logging(config.log_level)
+    try:
+        service = IngestService(config.models, config.pods, listen=config.listen, settings=config.ingest)
+    except ValueError as exc:
+        raise CliError(f"cannot set up ingest: {exc}") from None
+    return asyncio.run(_serve(service, config))
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def _serve(service: IngestService, config: ServeConfig) -> int:
+    from aiohttp import web
+    from kvindex.api.app import create_app
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    app = create_app(service, config.api, manage_service=True)
+    access_log = logging.getLogger("aiohttp.access") if config.log_level == "debug" else None
+    runner = web.AppRunner(app, handle_signals=False, access_log=access_log)
+    try:
+        await runner.setup()  # starts the ingest service (the app's cleanup_ctx owns it)
+    except Exception as exc:
+        await loop.run_in_executor(None, service.stop)
+        raise CliError(f"ingest failed to start: {exc}") from None
+    try:
+        site = web.TCPSite(runner, config.api.host, config.api.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise CliError(
+                f"cannot listen on {config.api.host}:{config.api.port} ({exc.strerror or exc}); pick another --http"
+            ) from None
+        host, port = runner.addresses[0][:2]
+        shown_host = f"[{host}]" if ":" in host else host
+        print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
+        logger.info(
+            "serving %d model(s) %s, %d pod(s)%s",
+            len(config.models),
+            ", ".join(m.name for m in config.models),
+            len(config.pods),
+            f", listening for engines on {config.listen}" if config.listen else "",
+        )
+        await stop.wait()
+        logger.info("signal received, stopping")
+    finally:
+        await runner.cleanup()  # stops HTTP, then the ingest service
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,339 @@
+"""Start-up edge of `kvindex serve`: flags + an optional TOML file -> frozen settings objects.
+
+Read once before anything starts: the models (ModelConfig), connect-mode pods (PodConfig), ingest
+settings (IngestSettings) and the HTTP API settings (ApiSettings). Flags override or extend the file.
+Every problem is a ConfigError carrying one sentence that says what to fix.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from kvindex.indexer.ingest import IngestSettings
+from kvindex.indexer.model import ModelConfig, PodConfig
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_HTTP = "0.0.0.0:8080"
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8}
+DEFAULT_UNKNOWN_TIER_WEIGHT = 0.1
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 1_000_000
+DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS = 16_384
+
+
+def _default_tier_weights() -> dict[str, float]:
+    return dict(DEFAULT_TIER_WEIGHTS)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated as one sentence saying what to fix."""
+
+
+class ApiSettings(msgspec.Struct, frozen=True):
+    """The HTTP side: limits on what a client may send and how scores weigh tiers."""
+
+    host: str = "0.0.0.0"
+    port: int = 8080
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    # A block of the matched run counts with the weight of its best tier; tiers not listed count
+    # `unknown_tier_weight` (explicitly low: we do not know how fast such a tier is).
+    tier_weights: dict[str, float] = msgspec.field(default_factory=_default_tier_weights)
+    unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
+    # Prompts longer than this are hashed on a worker thread so the event loop keeps serving.
+    hash_in_executor_min_tokens: int = DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS
+
+
+class ServeConfig(msgspec.Struct, frozen=True):
+    models: tuple[ModelConfig, ...]
+    pods: tuple[PodConfig, ...]
+    listen: str | None
+    ingest: IngestSettings
+    api: ApiSettings
+    log_level: str = "info"
+
+
+# --- the TOML file, as written by an operator ------------------------------------------------------
+
+
+class _ModelSection(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+    lora_adapters: dict[str, str] = {}
+    prefix_group_idxs: list[int] | None = None
+
+
+class _PodSection(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    endpoint: str
+    replay: str | None = None
+    model: str | None = None
+    dp_rank: int = 0
+
+
+class _TierSection(msgspec.Struct, forbid_unknown_fields=True):
+    weights: dict[str, float] = msgspec.field(default_factory=_default_tier_weights)
+    unknown_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
+
+
+class _LimitsSection(msgspec.Struct, forbid_unknown_fields=True):
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    hash_in_executor_min_tokens: int = DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS
+
+
+class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
+    num_workers: int | None = None
+    queue_size: int | None = None
+    silent_after_s: float | None = None
+    quiet_probe_after_s: float | None = None
+    replay_timeout_s: float | None = None
+    hash_check_every: int | None = None
+    index_shards: int | None = None
+    index_max_keys: int | None = None
+    index_max_pods_per_key: int | None = None
+
+
+class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
+    http: str | None = None
+    listen: str | None = None
+    listen_replay: str | None = None
+    log_level: str | None = None
+    models: list[_ModelSection] = []
+    pods: list[_PodSection] = []
+    tiers: _TierSection | None = None
+    limits: _LimitsSection | None = None
+    ingest: _IngestSection | None = None
+
+
+def load_config_file(path: str | Path) -> _ConfigFile:
+    """Parse and type-check a TOML config file (unknown keys are errors)."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    try:
+        return msgspec.convert(raw, _ConfigFile)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config file {path}: {_describe_validation(str(exc))}") from None
+
+
+def _describe_validation(message: str) -> str:
+    # "Object contains unknown field `x` - at `$.models[0]`" -> "models[0]: object contains unknown ..."
+    if " - at `$" in message:
+        problem, _, where = message.rpartition(" - at `$")
+        where = where.rstrip("`").lstrip(".")
+        return f"{where or 'top level'}: {problem[:1].lower()}{problem[1:]}"
+    return message[:1].lower() + message[1:]
+
+
+# --- flags --------------------------------------------------------------------------------------
+
+
+def parse_host_port(text: str, *, what: str = "--http") -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 as `[::1]:8080`) -> (host, port); port 0 picks a free one."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"{what} {text!r} must be HOST:PORT, e.g. 0.0.0.0:8080")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port_text)
+
+
+class PodFlag(msgspec.Struct, frozen=True):
+    pod_id: str
+    endpoint: str
+    replay: str | None = None
+    model: str | None = None
+    dp_rank: int = 0
+
+
+def parse_pod_flag(text: str) -> PodFlag:
+    """`ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]` -> PodFlag."""
+    usage = "--pod must look like ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]"
+    head, *options = text.split(",")
+    pod_id, sep, endpoint = head.partition("=")
+    if not sep or not pod_id or not endpoint:
+        raise ConfigError(f"{usage}, got {text!r}")
+    values: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in ("replay", "model", "dp_rank") or not value:
+            raise ConfigError(f"{usage}; {option!r} in {text!r} is not one of replay=, model=, dp_rank=")
+        if key in values:
+            raise ConfigError(f"{usage}; {key}= is given twice in {text!r}")
+        values[key] = value
+    dp_rank_text = values.get("dp_rank", "0")
+    if not dp_rank_text.isdigit():
+        raise ConfigError(f"{usage}; dp_rank must be a non-negative integer in {text!r}")
+    return PodFlag(
+        pod_id=pod_id,
+        endpoint=endpoint,
+        replay=values.get("replay"),
+        model=values.get("model"),
+        dp_rank=int(dp_rank_text),
+    )
+
+
+def build_serve_config(args: Any, env: Mapping[str, str]) -> ServeConfig:
+    """Merge the TOML file named by `args.config` (if any) with the flags; flags win.
+
+    `args` carries the attributes `cmd_serve.configure` defines. `env` supplies PYTHONHASHSEED, the
+    default hash seed of every model whose seed is not given (unset -> vLLM's rule, None).
+    """
+    file = load_config_file(args.config) if args.config else _ConfigFile()
+
+    models = _merge_models(file.models, args, env)
+    model_names = [model.name for model in models]
+    pods = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
+
+    listen = args.listen or file.listen
+    listen_replay = args.listen_replay or file.listen_replay
+    if listen_replay is not None and listen is None:
+        raise ConfigError("--listen-replay only applies with --listen (bind mode)")
+    if not pods and listen is None:
+        raise ConfigError("nothing to subscribe to: give at least one --pod ID=ENDPOINT or --listen ENDPOINT")
+
+    host, port = parse_host_port(args.http or file.http or DEFAULT_HTTP)
+    tiers = file.tiers or _TierSection()
+    limits = file.limits or _LimitsSection()
+    _check_positive("limits.max_body_bytes", limits.max_body_bytes)
+    _check_positive("limits.max_tokens", limits.max_tokens)
+    for tier, weight in tiers.weights.items():
+        if weight < 0:
+            raise ConfigError(f"tiers.weights.{tier} must be >= 0, got {weight}")
+    if tiers.unknown_weight < 0:
+        raise ConfigError(f"tiers.unknown_weight must be >= 0, got {tiers.unknown_weight}")
+    api = ApiSettings(
+        host=host,
+        port=port,
+        max_body_bytes=limits.max_body_bytes,
+        max_tokens=limits.max_tokens,
+        tier_weights=dict(tiers.weights),
+        unknown_tier_weight=tiers.unknown_weight,
+        hash_in_executor_min_tokens=limits.hash_in_executor_min_tokens,
+    )
+
+    ingest_overrides = {
+        key: value
+        for key, value in msgspec.structs.asdict(file.ingest or _IngestSection()).items()
+        if value is not None
+    }
+    for key, value in ingest_overrides.items():
+        if value <= 0:
+            raise ConfigError(f"ingest.{key} must be > 0, got {value}")
+    ingest = IngestSettings(listen_replay_template=listen_replay, **ingest_overrides)
+
+    log_level = (args.log_level or file.log_level or "info").lower()
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log level must be one of debug, info, warning, error, got {log_level!r}")
+    return ServeConfig(
+        models=tuple(models), pods=tuple(pods), listen=listen, ingest=ingest, api=api, log_level=log_level
+    )
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _merge_models(sections: Sequence[_ModelSection], args: Any, env: Mapping[str, str]) -> list[ModelConfig]:
+    env_seed = env.get("PYTHONHASHSEED")
+    by_name: dict[str, _ModelSection] = {}
+    for section in sections:
+        if section.name in by_name:
+            raise ConfigError(f"model {section.name!r} is defined twice in the config file")
+        by_name[section.name] = section
+    if args.model is not None:
+        section = by_name.get(args.model) or _ModelSection(name=args.model)
+        by_name[args.model] = msgspec.structs.replace(
+            section,
+            block_size=args.block_size if args.block_size is not None else section.block_size,
+            hash_algo=args.hash_algo if args.hash_algo is not None else section.hash_algo,
+            hash_seed=args.hash_seed if args.hash_seed is not None else section.hash_seed,
+        )
+    elif args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
+        if len(by_name) != 1:
+            raise ConfigError(
+                "--block-size, --hash-algo and --hash-seed need --model NAME to say which model"
+            )
+        (only,) = by_name.values()
+        by_name[only.name] = msgspec.structs.replace(
+            only,
+            block_size=args.block_size if args.block_size is not None else only.block_size,
+            hash_algo=args.hash_algo if args.hash_algo is not None else only.hash_algo,
+            hash_seed=args.hash_seed if args.hash_seed is not None else only.hash_seed,
+        )
+    if not by_name:
+        raise ConfigError("no model configured: pass --model NAME or a --config file with [[models]]")
+    return [_model_config(section, env_seed) for section in by_name.values()]
+
+
+def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:
+    name = section.name
+    if not name:
+        raise ConfigError("a model name must not be empty")
+    block_size = section.block_size if section.block_size is not None else 16
+    if block_size < 1:
+        raise ConfigError(f"model {name!r}: block size must be >= 1, got {block_size}")
+    hash_algo = section.hash_algo or "sha256"
+    if hash_algo not in HASH_ALGOS:
+        raise ConfigError(
+            f"model {name!r}: hash algo must be one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}"
+        )
+    hash_seed = section.hash_seed if section.hash_seed is not None else env_seed
+    if hash_seed is None and hash_algo.startswith("xxhash"):
+        raise ConfigError(
+            f"model {name!r}: {hash_algo} needs the engines' PYTHONHASHSEED (pass --hash-seed or set hash_seed),"
+            " since without it every vLLM engine picks a random root"
+        )
+    for adapter, path in section.lora_adapters.items():
+        if not adapter or not path:
+            raise ConfigError(f"model {name!r}: lora_adapters entries need a non-empty name and path")
+    group_idxs = (
+        frozenset(section.prefix_group_idxs) if section.prefix_group_idxs is not None else frozenset({0})
+    )
+    if not group_idxs or min(group_idxs) < 0:
+        raise ConfigError(f"model {name!r}: prefix_group_idxs must be a non-empty list of group ids >= 0")
+    return ModelConfig(
+        name=name,
+        block_size=block_size,
+        hash_algo=hash_algo,
+        hash_seed=hash_seed,
+        lora_adapters=dict(section.lora_adapters),
+        prefix_group_idxs=group_idxs,
+    )
+
+
+def _merge_pods(
+    sections: Sequence[_PodSection], flags: Sequence[PodFlag], model_names: Sequence[str]
+) -> list[PodConfig]:
+    by_stream: dict[tuple[str, int], PodConfig] = {}
+    entries = [(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
+    entries += [(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
+    for pod_id, endpoint, replay, model, dp_rank, source in entries:
+        if model is None:
+            if len(model_names) != 1:
+                raise ConfigError(
+                    f"pod {pod_id!r} ({source}) needs model=NAME since several models are configured"
+                )
+            model = model_names[0]
+        elif model not in model_names:
+            raise ConfigError(
+                f"pod {pod_id!r} ({source}) names unknown model {model!r}; known: {', '.join(model_names)}"
+            )
+        if dp_rank < 0:
+            raise ConfigError(f"pod {pod_id!r} ({source}): dp_rank must be >= 0")
+        # A --pod flag for a stream the file already lists replaces the file's entry.
+        by_stream[(pod_id, dp_rank)] = PodConfig(
+            pod_id=pod_id, endpoint=endpoint, model=model, replay_endpoint=replay, dp_rank=dp_rank
+        )
+    return list(by_stream.values())

@@ -1,0 +1,163 @@
+"""Stage 1 of the read path: the HTTP request and response shapes of the score API (CONTRACT.md).
+
+Request bodies are decoded straight into these Structs by msgspec; `validate_score_request` adds the
+checks a type cannot express (limits, exclusive fields). Every failure is a `RequestError` naming the
+field, which the HTTP layer turns into `{"error": "<field>: <what is wrong>"}`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import msgspec
+from kvindex.indexer.status import PodStatus
+from msgspec import Meta
+
+MAX_TOKEN_ID = 2**32 - 1  # vLLM token ids are 32-bit vocabulary indices
+MAX_BLOCK_HASH = 2**64 - 1  # event-form hashes are unsigned 64-bit
+
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+# msgspec cannot bound an int beyond int64, so the 2**64 ceiling is checked after decoding.
+EventBlockHash = Annotated[int, Meta(ge=0)]
+
+
+class RequestError(ValueError):
+    """A client mistake: `field` is the JSON path of the bad value ("body" for the whole document)."""
+
+    def __init__(self, field: str, problem: str, *, status: int = 400) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+        self.status = status
+
+
+class MMItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A multimodal item: its encoder-cache identifier and where its placeholder tokens sit."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class ScoreRequest(msgspec.Struct, frozen=True):
+    """`POST /v1/score`. Exactly one of `token_ids` / `block_hashes`; extra keys only with token_ids."""
+
+    model: str | None = None
+    token_ids: list[TokenId] | None = None
+    block_hashes: list[EventBlockHash] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm: list[MMItem] | None = None
+    pods: list[str] | None = None
+
+
+class PodScoreOut(msgspec.Struct, frozen=True):
+    pod: str
+    dp_rank: int
+    matched_blocks: int
+    matched_tokens: int
+    score: float
+    by_tier: dict[str, int]
+
+
+class ScoreResponse(msgspec.Struct, frozen=True):
+    model: str
+    block_size: int
+    num_blocks: int
+    scores: list[PodScoreOut]
+
+
+class PodsResponse(msgspec.Struct, frozen=True):
+    pods: list[PodStatus]
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: str
+
+
+SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
+JSON_ENCODER = msgspec.json.Encoder()
+
+_PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+
+
+def decode_score_request(body: bytes) -> ScoreRequest:
+    """Decode a request body; malformed JSON or a wrong type raises RequestError naming the field."""
+    try:
+        return SCORE_REQUEST_DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise RequestError("body", f"not valid JSON ({exc})") from None
+
+
+def _validation_error(message: str) -> RequestError:
+    """msgspec's "Expected `int`, got `str` - at `$.token_ids[3]`" -> field "token_ids[3]"."""
+    match = _PATH_SUFFIX.search(message)
+    if match is None:
+        return RequestError("body", _lower_first(message))
+    problem = message[: match.start()]
+    return RequestError(match.group("path") or "body", _lower_first(problem))
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
+    """Checks beyond the types. Raises RequestError for the first problem found.
+
+    - exactly one of token_ids / block_hashes, non-empty, at most `max_tokens` tokens (block hashes:
+      at most `max_tokens` too, a generous bound since each stands for a whole block);
+    - block hashes below 2**64;
+    - lora_name, lora_path, cache_salt and mm only with token_ids (block hashes are already hashed);
+      lora_path needs lora_name; mm items lie inside the prompt with a non-empty identifier;
+    - pods, when given, is non-empty.
+    """
+    has_tokens = request.token_ids is not None
+    has_hashes = request.block_hashes is not None
+    if has_tokens == has_hashes:
+        which = "both" if has_tokens else "neither"
+        raise RequestError("token_ids", f"give exactly one of token_ids or block_hashes (got {which})")
+    if request.token_ids is not None:
+        _check_length("token_ids", len(request.token_ids), max_tokens)
+    if request.block_hashes is not None:
+        _check_length("block_hashes", len(request.block_hashes), max_tokens)
+        for i, block_hash in enumerate(request.block_hashes):
+            if block_hash > MAX_BLOCK_HASH:
+                raise RequestError(f"block_hashes[{i}]", "expected an unsigned 64-bit int (< 2**64)")
+        for name in ("lora_name", "lora_path", "cache_salt", "mm"):
+            if getattr(request, name) is not None:
+                raise RequestError(name, "only applies with token_ids (block_hashes are already hashed)")
+    if request.lora_path is not None and request.lora_name is None:
+        raise RequestError("lora_path", "needs lora_name as well (vLLM hashes both)")
+    if request.lora_name is not None and not request.lora_name:
+        raise RequestError("lora_name", "must not be empty")
+    if request.mm is not None and request.token_ids is not None:
+        _check_mm(request.mm, len(request.token_ids))
+    if request.pods is not None and not request.pods:
+        raise RequestError("pods", "empty list (omit it to score every pod)")
+
+
+def _check_length(field: str, length: int, max_length: int) -> None:
+    if length == 0:
+        raise RequestError(field, "empty prompt")
+    if length > max_length:
+        raise RequestError(field, f"{length} items is more than the limit of {max_length}")
+
+
+def _check_mm(items: list[MMItem], num_tokens: int) -> None:
+    for i, item in enumerate(items):
+        field = f"mm[{i}]"
+        if not item.identifier:
+            raise RequestError(f"{field}.identifier", "must not be empty")
+        if item.offset < 0:
+            raise RequestError(f"{field}.offset", "must be >= 0")
+        if item.length < 1:
+            raise RequestError(f"{field}.length", "must be >= 1")
+        if item.offset + item.length > num_tokens:
+            raise RequestError(
+                field, f"offset {item.offset} + length {item.length} runs past the {num_tokens}-token prompt"
+            )

@@ -1,0 +1,235 @@
+"""`kvindex serve` configuration: TOML + flags -> settings, and one-sentence errors with exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvindex.api import cmd_serve
+from kvindex.api.cli import main
+from kvindex.api.config import ConfigError, ServeConfig, build_serve_config, parse_pod_flag
+
+TWO_MODELS_TOML = """
+http = "127.0.0.1:9090"
+log_level = "debug"
+
+[[models]]
+name = "llama-8b"
+block_size = 16
+hash_algo = "sha256"
+hash_seed = "0"
+prefix_group_idxs = [0, 2]
+[models.lora_adapters]
+sql-lora = "/adapters/sql-lora"
+chat-lora = "/adapters/chat"
+
+[[models]]
+name = "qwen-32b"
+block_size = 64
+hash_algo = "xxhash_cbor"
+hash_seed = "42"
+
+[[pods]]
+id = "pod-a"
+endpoint = "tcp://10.0.0.1:5557"
+replay = "tcp://10.0.0.1:5558"
+model = "llama-8b"
+
+[[pods]]
+id = "pod-b"
+endpoint = "tcp://10.0.0.2:5557"
+model = "qwen-32b"
+dp_rank = 1
+
+[tiers]
+weights = { GPU = 1.0, CPU = 0.5, STORAGE = 0.2 }
+unknown_weight = 0.05
+
+[limits]
+max_body_bytes = 1048576
+max_tokens = 200000
+
+[ingest]
+num_workers = 2
+replay_timeout_s = 1.5
+"""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cmd_serve.configure(parser)
+    return parser.parse_args(argv)
+
+
+def build(argv: list[str], env: dict[str, str] | None = None) -> ServeConfig:
+    return build_serve_config(parse_args(argv), env or {})
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvindex.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_with_two_models_and_lora_tables(tmp_path: Path) -> None:
+    config = build(["--config", write(tmp_path, TWO_MODELS_TOML)])
+
+    llama, qwen = config.models
+    assert (llama.name, llama.block_size, llama.hash_algo, llama.hash_seed) == ("llama-8b", 16, "sha256", "0")
+    assert llama.lora_adapters == {"sql-lora": "/adapters/sql-lora", "chat-lora": "/adapters/chat"}
+    assert llama.prefix_group_idxs == frozenset({0, 2})
+    assert (qwen.name, qwen.block_size, qwen.hash_algo, qwen.hash_seed) == ("qwen-32b", 64, "xxhash_cbor", "42")
+    assert qwen.lora_adapters == {}
+    assert qwen.prefix_group_idxs == frozenset({0})
+
+    pod_a, pod_b = config.pods
+    assert (pod_a.pod_id, pod_a.endpoint, pod_a.replay_endpoint, pod_a.model, pod_a.dp_rank) == (
+        "pod-a",
+        "tcp://10.0.0.1:5557",
+        "tcp://10.0.0.1:5558",
+        "llama-8b",
+        0,
+    )
+    assert (pod_b.pod_id, pod_b.replay_endpoint, pod_b.model, pod_b.dp_rank) == ("pod-b", None, "qwen-32b", 1)
+
+    assert (config.api.host, config.api.port) == ("127.0.0.1", 9090)
+    assert config.api.tier_weights == {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.2}
+    assert config.api.unknown_tier_weight == 0.05
+    assert (config.api.max_body_bytes, config.api.max_tokens) == (1048576, 200000)
+    assert (config.ingest.num_workers, config.ingest.replay_timeout_s) == (2, 1.5)
+    assert config.log_level == "debug"
+
+
+def test_flags_override_and_extend_the_file(tmp_path: Path) -> None:
+    argv = [
+        "--config",
+        write(tmp_path, TWO_MODELS_TOML),
+        "--http",
+        "127.0.0.1:0",
+        "--model",
+        "llama-8b",
+        "--block-size",
+        "32",
+        "--pod",
+        "pod-c=tcp://10.0.0.3:5557,replay=tcp://10.0.0.3:5558,model=qwen-32b,dp_rank=3",
+        "--pod",
+        "pod-a=tcp://10.9.9.9:5557,model=llama-8b",
+        "--log-level",
+        "warning",
+    ]
+    config = build(argv)
+    llama = config.models[0]
+    assert (llama.block_size, llama.hash_seed, llama.lora_adapters["sql-lora"]) == (32, "0", "/adapters/sql-lora")
+    assert (config.api.host, config.api.port) == ("127.0.0.1", 0)
+    by_id = {(p.pod_id, p.dp_rank): p for p in config.pods}
+    assert by_id[("pod-a", 0)].endpoint == "tcp://10.9.9.9:5557"  # the flag replaced the file's entry
+    assert by_id[("pod-a", 0)].replay_endpoint is None
+    pod_c = by_id[("pod-c", 3)]
+    assert (pod_c.endpoint, pod_c.replay_endpoint, pod_c.model) == (
+        "tcp://10.0.0.3:5557",
+        "tcp://10.0.0.3:5558",
+        "qwen-32b",
+    )
+    assert config.log_level == "warning"
+
+
+def test_flags_only_and_defaults() -> None:
+    config = build(["--model", "m", "--pod", "p0=tcp://127.0.0.1:5557"])
+    (model,) = config.models
+    assert (model.name, model.block_size, model.hash_algo, model.hash_seed) == ("m", 16, "sha256", None)
+    assert config.pods[0].model == "m"  # the only model is the default for pods
+    assert (config.api.host, config.api.port) == ("0.0.0.0", 8080)
+    assert config.api.tier_weights == {"GPU": 1.0, "CPU": 0.8}
+    assert 0 < config.api.unknown_tier_weight < config.api.tier_weights["CPU"]
+    assert config.listen is None
+
+
+def test_hash_seed_defaults_to_pythonhashseed_and_the_flag_wins() -> None:
+    base = ["--model", "m", "--pod", "p0=tcp://127.0.0.1:5557"]
+    assert build(base, {"PYTHONHASHSEED": "1234567"}).models[0].hash_seed == "1234567"
+    assert build([*base, "--hash-seed", "7"], {"PYTHONHASHSEED": "1234567"}).models[0].hash_seed == "7"
+
+
+def test_listen_mode_with_replay_template() -> None:
+    config = build(["--model", "m", "--listen", "tcp://*:5557", "--listen-replay", "tcp://{pod}:5558"])
+    assert config.listen == "tcp://*:5557"
+    assert config.ingest.listen_replay_template == "tcp://{pod}:5558"
+    assert config.pods == ()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pod-a",
+        "=tcp://h:1",
+        "pod-a=",
+        "pod-a=tcp://h:1,replay",
+        "pod-a=tcp://h:1,colour=red",
+        "pod-a=tcp://h:1,dp_rank=-1",
+        "pod-a=tcp://h:1,dp_rank=x",
+        "pod-a=tcp://h:1,model=a,model=b",
+    ],
+)
+def test_bad_pod_syntax(text: str) -> None:
+    with pytest.raises(ConfigError, match="--pod"):
+        parse_pod_flag(text)
+
+
+BAD_CONFIGS = [
+    # (TOML text or None, extra argv, a word the one-sentence error must contain)
+    ("[[models]\nname = 'x'", [], "not valid TOML"),
+    ("[[models]]\nname = 'x'\ncolour = 'red'", ["--pod", "p=tcp://h:1"], "colour"),
+    ("surprise = 1\n[[models]]\nname = 'x'", ["--pod", "p=tcp://h:1"], "surprise"),
+    ("[[models]]\nname = 'x'\nblock_size = 'big'", ["--pod", "p=tcp://h:1"], "block_size"),
+    ("[[models]]\nname = 'x'\n[[models]]\nname = 'y'", ["--pod", "p=tcp://h:1"], "model=NAME"),
+    ("[[models]]\nname = 'x'\nhash_algo = 'md5'", ["--pod", "p=tcp://h:1"], "hash algo"),
+    ("[[models]]\nname = 'x'\nhash_algo = 'xxhash'", ["--pod", "p=tcp://h:1"], "PYTHONHASHSEED"),
+    ("[[models]]\nname = 'x'\n[limits]\nmax_tokens = 0", ["--pod", "p=tcp://h:1"], "max_tokens"),
+    (None, ["--pod", "p=tcp://h:1"], "--model"),
+    (None, ["--model", "m"], "--pod"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1,model=other"], "unknown model"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1", "--http", "localhost"], "HOST:PORT"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1", "--block-size", "0"], "block size"),
+]
+
+
+@pytest.mark.parametrize(("toml_text", "argv", "word"), BAD_CONFIGS)
+def test_config_errors_are_one_sentence_and_exit_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    toml_text: str | None,
+    argv: list[str],
+    word: str,
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    if toml_text is not None:
+        argv = ["--config", write(tmp_path, toml_text), *argv]
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert word in err
+    assert err.startswith("kvindex serve: ")
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", str(tmp_path / "nope.toml")]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_real_process_reports_bad_pod_and_exits_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex", "serve", "--model", "m", "--pod", "pod-a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--pod must look like" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
