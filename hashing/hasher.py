@@ -1,0 +1,270 @@
+"""BlockHasher: a prompt's token ids -> vLLM's chained block hashes, byte-identical to vLLM 0.33.0.
+
+The read path's first step (HTTP score handler -> block hashes -> index lookup) and the ingest side's
+check of stored events. Mirrors `get_request_block_hasher` + `hash_block_tokens`: only full blocks are
+hashed; block i hashes (parent digest or NONE_HASH, tuple(tokens of block i), extra keys of block i).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Annotated, Any, Final
+
+import msgspec
+import xxhash
+from kvindex.hashing import cbor_fast
+from kvindex.hashing.algorithms import HashAlgo, event_hash, get_algo, resolve_seed, root_hash
+from kvindex.hashing.errors import HashingError
+from kvindex.hashing.extra_keys import ExtraKeys, MMItem, make_request_extras, per_block_keys, untag
+from kvindex.hashing.memo import DigestMemo
+
+# Digests remembered per BlockHasher: ~4 MB, enough for a few hundred 8k-token conversations.
+DEFAULT_MEMO_SIZE: Final = 32768
+
+_UINT64_MASK: Final = (1 << 64) - 1
+_TokenIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
+def validate_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The token ids as a tuple of non-negative ints; HashingError for anything else.
+
+    Bools, floats and strings are refused even though pickle/CBOR would serialise them: they serialise
+    differently from the int an engine saw. Negative ids are refused: no vocabulary has them, so no engine
+    ever cached them.
+    """
+    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (list, tuple)):
+        try:
+            token_ids = list(token_ids)
+        except TypeError:
+            raise HashingError(
+                f"token_ids must be a list of integers, got {type(token_ids).__name__}"
+            ) from None
+    try:
+        return msgspec.convert(token_ids, _TokenIds)
+    except msgspec.ValidationError as exc:
+        raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
+
+
+class BlockHasher:
+    """Block hashes of one model's prompts, as its vLLM engines compute them.
+
+    `algo` is `--prefix-caching-hash-algo`, `block_size` the hash block size, `seed` the engines'
+    PYTHONHASHSEED string (None: vLLM's rule for an unset variable, which only works for sha256 variants).
+    A bounded memo (`memo_size` digests, 0 disables it) makes re-hashing a known prefix nearly free; it
+    never changes a result. Safe to call from several threads.
+    """
+
+    def __init__(
+        self,
+        algo: str = "sha256",
+        block_size: int = 16,
+        seed: str | None = None,
+        memo_size: int = DEFAULT_MEMO_SIZE,
+    ) -> None:
+        self._algo: HashAlgo = get_algo(algo)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise HashingError(f"block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(memo_size, int) or isinstance(memo_size, bool) or memo_size < 0:
+            raise HashingError(f"memo_size must be an integer >= 0, got {memo_size!r}")
+        self._block_size = block_size
+        self._seed = resolve_seed(self._algo, seed)
+        self._root = root_hash(self._algo, seed)
+        self._memo = DigestMemo(memo_size) if memo_size else None
+        self._cbor_array_head = cbor_fast.array_head(block_size)
+        self._cbor_parent_head = b"\x83" + cbor_fast.bstr_head(len(self._root))
+
+    @property
+    def algo(self) -> str:
+        return self._algo.name
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def seed(self) -> str:
+        """The seed string the root was derived from (after vLLM's unset-seed rule)."""
+        return self._seed
+
+    @property
+    def root(self) -> bytes:
+        """NONE_HASH: the digest block 0 chains from."""
+        return self._root
+
+    def block_hashes(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMItem] | None = None,
+        prompt_embeds_digests: Sequence[bytes] | None = None,
+        lookahead: int = 0,
+    ) -> list[bytes]:
+        """Raw digests of the prompt's full blocks, in order (vLLM's `request.block_hashes`)."""
+        digests, _ = self._chain(
+            token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead
+        )
+        return digests
+
+    def event_hashes(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMItem] | None = None,
+        prompt_embeds_digests: Sequence[bytes] | None = None,
+        lookahead: int = 0,
+    ) -> list[int]:
+        """The same blocks in the form KV events carry: unsigned 64-bit ints (last 8 digest bytes)."""
+        _, events = self._chain(
+            token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead
+        )
+        return events
+
+    def event_extra_keys(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMItem] | None = None,
+        prompt_embeds_digests: Sequence[bytes] | None = None,
+        lookahead: int = 0,
+    ) -> list[tuple[Any, ...] | None]:
+        """Per full block, the untagged extra keys vLLM publishes in BlockStored.extra_keys (None: none).
+
+        LoRA -> name (the path is hashed but never published), mm -> (identifier, offset), cache_salt ->
+        salt, prompt_embeds -> digest. With lookahead the lookahead tokens are not included: events carry
+        them in `lookahead_token_ids`.
+        """
+        tokens = validate_token_ids(token_ids)
+        extras = make_request_extras(
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+            mm=mm,
+            prompt_embeds_digests=prompt_embeds_digests,
+            lookahead=lookahead,
+        )
+        num_blocks = max(0, (len(tokens) - extras.lookahead) // self._block_size)
+        _, published = per_block_keys(extras, tokens, self._block_size, num_blocks)
+        return [untag(keys) for keys in published]
+
+    def _chain(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        lora_path: str | None,
+        cache_salt: str | None,
+        mm: Sequence[MMItem] | None,
+        prompt_embeds_digests: Sequence[bytes] | None,
+        lookahead: int,
+    ) -> tuple[list[bytes], list[int]]:
+        tokens = validate_token_ids(token_ids)
+        request_extras = make_request_extras(
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+            mm=mm,
+            prompt_embeds_digests=prompt_embeds_digests,
+            lookahead=lookahead,
+        )
+        block_size = self._block_size
+        num_blocks = max(0, (len(tokens) - request_extras.lookahead) // block_size)
+        extras: list[ExtraKeys] | None = None
+        if not request_extras.is_plain:
+            extras, _ = per_block_keys(request_extras, tokens, block_size, num_blocks)
+        digests: list[bytes] = []
+        events: list[int] = []
+        memo = self._memo
+        missed_segments: list[int] = []
+        if memo is not None:
+            missed_segments = memo.resolve(
+                self._root, tokens, block_size, num_blocks, extras, digests, events
+            )
+        first_new = len(digests)
+        if first_new < num_blocks:
+            parent = digests[-1] if digests else self._root
+            if self._algo.uses_cbor:
+                self._hash_cbor(tokens, extras, first_new, num_blocks, parent, digests, events)
+            else:
+                self._hash_pickle(tokens, extras, first_new, num_blocks, parent, digests, events)
+            if memo is not None:
+                memo.record(
+                    self._root, tokens, block_size, extras, digests, events, first_new, missed_segments
+                )
+        return digests, events
+
+    def _hash_pickle(
+        self,
+        tokens: tuple[int, ...],
+        extras: list[ExtraKeys] | None,
+        first: int,
+        stop: int,
+        parent: bytes,
+        digests: list[bytes],
+        events: list[int],
+    ) -> None:
+        # pickle.dumps is C already; what is saved here is per-block attribute lookups and list slices.
+        dumps = pickle.dumps
+        protocol = pickle.HIGHEST_PROTOCOL
+        sha256 = hashlib.sha256 if self._algo.digest_size == 32 else None
+        xxh = xxhash.xxh3_128_digest
+        block_size = self._block_size
+        mask = _UINT64_MASK
+        from_bytes = int.from_bytes
+        for index in range(first, stop):
+            start = index * block_size
+            preimage = dumps(
+                (parent, tokens[start : start + block_size], None if extras is None else extras[index]),
+                protocol,
+            )
+            parent = sha256(preimage).digest() if sha256 is not None else xxh(preimage)
+            digests.append(parent)
+            events.append(from_bytes(parent, "big") & mask)
+
+    def _hash_cbor(
+        self,
+        tokens: tuple[int, ...],
+        extras: list[ExtraKeys] | None,
+        first: int,
+        stop: int,
+        parent: bytes,
+        digests: list[bytes],
+        events: list[int],
+    ) -> None:
+        block_size = self._block_size
+        token_items = cbor_fast.encode_tokens(tokens[first * block_size : stop * block_size])
+        sha256 = hashlib.sha256 if self._algo.digest_size == 32 else None
+        xxh = xxhash.xxh3_128_digest
+        head = self._cbor_parent_head
+        array_head = self._cbor_array_head
+        join = b"".join
+        mask = _UINT64_MASK
+        from_bytes = int.from_bytes
+        extra_cache: dict[Any, bytes] = {}
+        extra_bytes = b"\xf6"
+        offset = 0
+        for index in range(first, stop):
+            if extras is not None:
+                keys = extras[index]
+                extra_bytes = extra_cache.get(keys) or extra_cache.setdefault(
+                    keys, cbor_fast.encode_extra(keys)
+                )
+            preimage = (
+                head + parent + array_head + join(token_items[offset : offset + block_size]) + extra_bytes
+            )
+            offset += block_size
+            parent = sha256(preimage).digest() if sha256 is not None else xxh(preimage)
+            digests.append(parent)
+            events.append(from_bytes(parent, "big") & mask)
+
+
+__all__ = ["BlockHasher", "DEFAULT_MEMO_SIZE", "event_hash", "validate_token_ids"]

@@ -1,0 +1,150 @@
+"""A bounded, thread-safe memo of recent block digests, so a shared or growing prefix is hashed once.
+
+Read path, inside BlockHasher: before hashing a prompt's blocks, the longest already-known prefix of the
+chain is looked up here; only the rest is hashed, then recorded. Two levels keep the hot path cheap:
+whole *segments* of SEGMENT_BLOCKS aligned blocks (one dict lookup per 256 tokens at block size 16) and
+single blocks for the ragged tail a growing conversation leaves behind. Both are LRU (OrderedDict, C).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Final
+
+from kvindex.hashing.extra_keys import ExtraKeys
+
+SEGMENT_BLOCKS: Final = 16
+
+# A block's memo value: (digest, event hash); a segment's: (digests, event hashes) of its blocks.
+BlockValue = tuple[bytes, int]
+SegmentValue = tuple[tuple[bytes, ...], tuple[int, ...]]
+
+
+class DigestMemo:
+    """LRU memo keyed by (parent digest, block tokens, extra keys); the parent pins the whole prefix.
+
+    `capacity_blocks` bounds the number of digests held (segments count SEGMENT_BLOCKS each). Safe to
+    share between threads: every read-modify of the dicts happens under one lock, and the lock is never
+    held while hashing.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._block_capacity = capacity_blocks
+        self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
+        self._blocks: OrderedDict[tuple[Any, ...], BlockValue] = OrderedDict()
+        self._segments: OrderedDict[tuple[Any, ...], SegmentValue] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks) + SEGMENT_BLOCKS * len(self._segments)
+
+    def resolve(
+        self,
+        root: bytes,
+        token_ids: tuple[int, ...],
+        block_size: int,
+        num_blocks: int,
+        extras: Sequence[ExtraKeys] | None,
+        digests: list[bytes],
+        events: list[int],
+    ) -> list[int]:
+        """Append the longest known prefix of the chain to `digests`/`events`.
+
+        Returns the start block of every full segment whose lookup missed: the caller must `record` them
+        once their blocks are known.
+        """
+        seg = SEGMENT_BLOCKS
+        seg_tokens = seg * block_size
+        full_end = num_blocks - num_blocks % seg
+        missed_segments: list[int] = []
+        parent = root
+        index = 0
+        with self._lock:
+            segments, blocks = self._segments, self._blocks
+            while index < num_blocks:
+                start = index * block_size
+                if index % seg == 0 and index < full_end:
+                    key = (
+                        parent,
+                        token_ids[start : start + seg_tokens],
+                        None if extras is None else tuple(extras[index : index + seg]),
+                    )
+                    found = segments.get(key)
+                    if found is not None:
+                        segments.move_to_end(key)
+                        digests.extend(found[0])
+                        events.extend(found[1])
+                        parent = found[0][-1]
+                        index += seg
+                        continue
+                    missed_segments.append(index)
+                block_key = (
+                    parent,
+                    token_ids[start : start + block_size],
+                    None if extras is None else extras[index],
+                )
+                hit = blocks.get(block_key)
+                if hit is None:
+                    break
+                blocks.move_to_end(block_key)
+                digests.append(hit[0])
+                events.append(hit[1])
+                parent = hit[0]
+                index += 1
+        return missed_segments
+
+    def record(
+        self,
+        root: bytes,
+        token_ids: tuple[int, ...],
+        block_size: int,
+        extras: Sequence[ExtraKeys] | None,
+        digests: Sequence[bytes],
+        events: Sequence[int],
+        first_new: int,
+        missed_segments: list[int],
+    ) -> None:
+        """Remember a chain whose blocks from `first_new` on were just hashed.
+
+        Full segments go to the segment level (those that missed, and every one past `first_new`); blocks
+        of the ragged tail go to the block level, where the next, longer turn will find them.
+        """
+        seg = SEGMENT_BLOCKS
+        num_blocks = len(digests)
+        full_end = num_blocks - num_blocks % seg
+        first_unlooked = -(-first_new // seg) * seg
+        starts = dict.fromkeys(missed_segments)
+        starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
+        seg_entries = []
+        for index in starts:
+            start = index * block_size
+            key = (
+                root if index == 0 else digests[index - 1],
+                token_ids[start : start + seg * block_size],
+                None if extras is None else tuple(extras[index : index + seg]),
+            )
+            seg_entries.append(
+                (key, (tuple(digests[index : index + seg]), tuple(events[index : index + seg])))
+            )
+        block_entries = []
+        for index in range(max(first_new, full_end), num_blocks):
+            start = index * block_size
+            key = (
+                root if index == 0 else digests[index - 1],
+                token_ids[start : start + block_size],
+                None if extras is None else extras[index],
+            )
+            block_entries.append((key, (digests[index], events[index])))
+        with self._lock:
+            segments, blocks = self._segments, self._blocks
+            for seg_key, seg_value in seg_entries:
+                segments[seg_key] = seg_value
+            while len(segments) > self._segment_capacity:
+                segments.popitem(last=False)
+            for block_key, block_value in block_entries:
+                blocks[block_key] = block_value
+            while len(blocks) > self._block_capacity:
+                blocks.popitem(last=False)
