@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -106,7 +106,7 @@ class PodQueues(Generic[T]):
             entry = work.get()
             if entry is _STOP:
                 return
-            pod_id, item = entry  # type: ignore[misc]
+            pod_id, item = cast(tuple[str, T], entry)
             try:
                 self._handle(pod_id, item)
             except Exception:

@@ -1,0 +1,103 @@
+"""Ingest-side guard: do the engines hash blocks the way this model's settings say?
+
+For a sample of BlocksStored events that can be recomputed from their own fields (a run from block 0 with
+no extra keys), recompute the block hashes with the model's BlockHasher and compare. A mismatch would
+make every score for the model 0, silently; `diagnose_mismatch` names the setting that most likely differs.
+Pure: no IO, clocks or threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError
+from kvindex.indexer.events import BlocksStored
+from kvindex.indexer.model import ModelConfig
+
+# Always check the first few eligible events of each stream, then 1 in `every`.
+ALWAYS_CHECK_FIRST = 4
+# Seeds tried when diagnosing: vLLM's unset rule and the most common explicit value.
+COMMON_SEEDS: tuple[str | None, ...] = (None, "0")
+
+
+def is_checkable(event: BlocksStored, block_size: int) -> bool:
+    """True when the event's keys can be recomputed from its own token_ids with `block_size`.
+
+    Needs: a run from block 0 (no parent), no extra keys (LoRA paths, MM, salts are not all published),
+    no lookahead, and token_ids covering exactly the blocks (no skipped null blocks).
+    """
+    if event.parent_key is not None or not event.block_keys or event.block_size != block_size:
+        return False
+    if event.lora_name is not None or event.lookahead_token_ids is not None:
+        return False
+    if event.extra_keys is not None and any(key is not None for key in event.extra_keys):
+        return False
+    return len(event.token_ids) == len(event.block_keys) * block_size
+
+
+def hashes_agree(event: BlocksStored, hasher: BlockHasher) -> bool:
+    """The event's keys equal the hasher's event hashes of its tokens (call only if `is_checkable`)."""
+    try:
+        return list(event.block_keys) == hasher.event_hashes(list(event.token_ids))
+    except HashingError:
+        return False
+
+
+def diagnose_mismatch(event: BlocksStored, config: ModelConfig) -> str:
+    """One sentence naming the setting that most likely differs between kvindex and the engines.
+
+    Tries the other algorithms, the unset seed and "0", and the event's own block size; the first
+    combination that reproduces the event's keys is reported.
+    """
+    for algo, seed, block_size in _candidates(event, config):
+        try:
+            hasher = BlockHasher(algo=algo, block_size=block_size, seed=seed, memo_size=0)
+        except HashingError:
+            continue
+        if len(event.token_ids) != len(event.block_keys) * block_size:
+            continue
+        if hashes_agree(event, hasher):
+            differences = []
+            if algo != config.hash_algo:
+                differences.append(f"hash_algo={algo} (configured {config.hash_algo})")
+            if seed != config.hash_seed:
+                differences.append(
+                    f"hash_seed={_seed_text(seed)} (configured {_seed_text(config.hash_seed)})"
+                )
+            if block_size != config.block_size:
+                differences.append(f"block_size={block_size} (configured {config.block_size})")
+            return "engines hash with " + ", ".join(differences)
+    return (
+        f"no algorithm/seed tried reproduces the engines' hashes: unknown seed (check PYTHONHASHSEED of "
+        f"the engines and --hash-seed; configured {config.hash_algo}, seed {_seed_text(config.hash_seed)})"
+    )
+
+
+def _candidates(event: BlocksStored, config: ModelConfig) -> Iterator[tuple[str, str | None, int]]:
+    seeds = [config.hash_seed] + [s for s in COMMON_SEEDS if s != config.hash_seed]
+    algos = [config.hash_algo] + [a for a in HASH_ALGOS if a != config.hash_algo]
+    block_sizes = [config.block_size]
+    if event.block_size > 0 and event.block_size != config.block_size:
+        block_sizes.append(event.block_size)
+    for block_size in block_sizes:
+        for algo in algos:
+            for seed in seeds:
+                if (algo, seed, block_size) != (config.hash_algo, config.hash_seed, config.block_size):
+                    yield algo, seed, block_size
+
+
+def _seed_text(seed: str | None) -> str:
+    return "unset" if seed is None else repr(seed)
+
+
+class HashCheckSampler:
+    """Which eligible events to check: the first ALWAYS_CHECK_FIRST of each stream, then 1 in `every`."""
+
+    def __init__(self, every: int) -> None:
+        self.every = max(1, every)
+        self._seen: dict[object, int] = {}
+
+    def should_check(self, stream: object) -> bool:
+        seen = self._seen.get(stream, 0)
+        self._seen[stream] = seen + 1
+        return seen < ALWAYS_CHECK_FIRST or (seen - ALWAYS_CHECK_FIRST) % self.every == 0
