@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+import msgspec
 from kvindex.indexer.events import (
     TIER_GPU,
     AllBlocksCleared,
@@ -24,7 +25,9 @@ _I64_MIN = -(2**63)
 _MIN_DIGEST_BYTES = 8
 _ALL_BLOCKS_CLEARED = AllBlocksCleared()
 
-WireBlockStored = wire.BlockStored | wire.LooseBlockStored | wire.ArrayBlockStored
+WireBlockStored = (
+    wire.BlockStored | wire.LooseBlockStored | wire.ArrayBlockStored | wire.BlockStoredTokensSkipped
+)
 WireBlockRemoved = wire.BlockRemoved | wire.LooseBlockRemoved | wire.ArrayBlockRemoved
 
 
@@ -56,11 +59,15 @@ def block_key(block_hash: wire.ExternalBlockHash) -> int:
 
 def block_keys(block_hashes: Sequence[wire.ExternalBlockHash]) -> tuple[int, ...]:
     """Keys of a hash list in order. Fast when every hash is a non-negative int (vLLM's default)."""
-    if all(type(h) is int for h in block_hashes):
-        int_keys = cast(tuple[int, ...], tuple(block_hashes))
-        if not int_keys or min(int_keys) >= 0:
-            return int_keys
-    return tuple(block_key(h) for h in block_hashes)
+    keys = tuple(block_hashes)
+    try:
+        # One C-level pass: min() of all ints is an int; bytes give bytes; a mix raises TypeError.
+        lowest = min(keys) if keys else 0
+    except TypeError:
+        lowest = None
+    if type(lowest) is int and lowest >= 0:
+        return cast(tuple[int, ...], keys)
+    return tuple(block_key(h) for h in keys)
 
 
 def _freeze(value: Any) -> Any:
@@ -80,20 +87,23 @@ def _extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | None:
 
 
 def convert_stored(event: WireBlockStored) -> BlocksStored:
+    """A stored event; when its token ids were skipped at decode time (`msgspec.Raw`) they become ()."""
     parent = event.parent_block_hash
     lookahead = event.lookahead_token_ids
+    token_ids = event.token_ids
+    # Positional (faster than keywords on the hot path), in BlocksStored's field order.
     return BlocksStored(
-        block_keys=block_keys(event.block_hashes),
-        parent_key=None if parent is None else block_key(parent),
-        token_ids=tuple(event.token_ids),
-        block_size=event.block_size,
-        tier=event.medium or TIER_GPU,
-        lora_name=event.lora_name,
-        extra_keys=_extra_keys(event.extra_keys),
-        group_idx=event.group_idx,
-        spec_kind=event.kv_cache_spec_kind,
-        locality=event.locality,
-        lookahead_token_ids=None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
+        block_keys(event.block_hashes),
+        None if parent is None else block_key(parent),
+        () if type(token_ids) is msgspec.Raw else tuple(token_ids),
+        event.block_size,
+        event.medium or TIER_GPU,
+        event.lora_name,
+        _extra_keys(event.extra_keys),
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.locality,
+        None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
     )
 
 
@@ -107,7 +117,9 @@ def convert_removed(event: WireBlockRemoved) -> BlocksRemoved:
 
 def convert_event(event: wire.AnyWireEvent) -> KVEvent:
     """One wire event (any accepted shape) -> kvindex's event; raises ConvertError on unusable values."""
-    if isinstance(event, (wire.BlockStored, wire.LooseBlockStored, wire.ArrayBlockStored)):
+    if isinstance(
+        event, (wire.BlockStored, wire.LooseBlockStored, wire.ArrayBlockStored)
+    ):  # incl. subclasses
         return convert_stored(event)
     if isinstance(event, (wire.BlockRemoved, wire.LooseBlockRemoved, wire.ArrayBlockRemoved)):
         return convert_removed(event)

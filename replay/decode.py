@@ -14,6 +14,7 @@ from kvindex.replay.convert import ConvertError, convert_event
 
 # Built once: msgspec decoders are immutable and reusable.
 _BATCH_DECODER = msgspec.msgpack.Decoder(wire.KVEventBatch)
+_BATCH_DECODER_TOKENS_SKIPPED = msgspec.msgpack.Decoder(wire.KVEventBatchTokensSkipped)
 _RAW_ARRAY_BATCH_DECODER = msgspec.msgpack.Decoder(wire.RawArrayBatch)
 _RAW_MAP_BATCH_DECODER = msgspec.msgpack.Decoder(wire.RawMapBatch)
 _LOOSE_EVENT_DECODER = msgspec.msgpack.Decoder(wire.LooseWireEvent)
@@ -50,14 +51,16 @@ class DecodedBatch(msgspec.Struct, frozen=True):
         return sum(self.dropped.values())
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
+def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch:
     """Decode one KV-event batch payload, keeping every readable event in order.
 
     Raises DecodeError only when the batch as a whole cannot be read; a bad or unknown event is dropped
-    and counted in `dropped`.
+    and counted in `dropped`. With `with_token_ids=False` the fast path leaves token ids undecoded (they
+    are most of a batch's bytes) and BlocksStored.token_ids is () — for consumers that never use them.
     """
+    decoder = _BATCH_DECODER if with_token_ids else _BATCH_DECODER_TOKENS_SKIPPED
     try:
-        wire_batch = _BATCH_DECODER.decode(payload)
+        wire_batch = decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return _decode_event_by_event(payload)
     events: list[KVEvent] = []

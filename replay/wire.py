@@ -130,6 +130,16 @@ AnyWireEvent = WireEvent | LooseWireEvent | ArrayWireEvent
 EVENT_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
+class BlockStoredTokensSkipped(BlockStored, frozen=True, tag="BlockStored"):
+    """BlockStored for consumers that do not need token ids: they stay undecoded (most of the bytes)."""
+
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class KVEventBatchTokensSkipped(KVEventBatch, frozen=True):
+    events: list[BlockStoredTokensSkipped | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
 class RawArrayBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A batch whose events are decoded one at a time: `[ts, events]` or `[ts, events, rank]`."""
 

@@ -402,3 +402,15 @@ def test_truncated_or_flipped_payloads_raise_nothing_but_decode_error(
         decode_batch(flipped)
     except DecodeError:
         pass
+
+
+def test_skipping_token_ids_changes_nothing_else(raw_vectors: dict[str, Any]) -> None:
+    for step in blockpool_steps(raw_vectors):
+        payload = bytes.fromhex(step["batch_payload_hex"])
+        full, skipped = decode_batch(payload), decode_batch(payload, with_token_ids=False)
+        assert skipped.dropped == {}
+        expected = tuple(
+            msgspec.structs.replace(e, token_ids=()) if isinstance(e, BlocksStored) else e
+            for e in full.batch.events
+        )
+        assert skipped.batch.events == expected
