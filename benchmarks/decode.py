@@ -26,12 +26,22 @@ from kvindex.replay import wire
 from kvindex.replay.decode import decode_batch
 from kvindex.replay.publisher import EventPublisher, encode_batch
 
-from benchmarks._table import format_table
-
 BLOCKS_PER_EVENT = 16
 EVENTS_PER_BATCH = 8
 BLOCK_SIZE = 16
 NUM_BATCHES = 256
+
+
+def format_table(headers: list[str], rows: list[list[object]]) -> str:
+    """Columns as wide as their widest cell, numbers right-aligned."""
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(row, widths, numeric, strict=True))
+        for row in cells
+    ]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def make_batches(rng: random.Random, num_batches: int) -> list[wire.KVEventBatch]:
