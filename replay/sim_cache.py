@@ -30,7 +30,9 @@ class SimRequestResult(msgspec.Struct, frozen=True):
 
     request_id: str
     num_prompt_tokens: int
-    num_cached_tokens: int  # prefix-cache hit, block aligned (vLLM's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: (
+        int  # prefix-cache hit, block aligned (vLLM's usage.prompt_tokens_details.cached_tokens)
+    )
     num_output_tokens: int
     num_new_blocks: int  # blocks allocated from the free queue (each may have evicted a cached block)
     events: list[WireEvent]
