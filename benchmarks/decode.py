@@ -41,7 +41,7 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
         "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(row, widths, numeric, strict=True))
         for row in cells
     ]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+    return "\n".join(line.rstrip() for line in [lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def make_batches(rng: random.Random, num_batches: int) -> list[wire.KVEventBatch]:
