@@ -323,3 +323,21 @@ def test_counters_count_prompt_and_hit_tokens() -> None:
     cache.run("a", tokens, chained_digests(tokens, 4))
     cache.run("b", tokens, chained_digests(tokens, 4))
     assert (cache.prefix_cache_queries, cache.prefix_cache_hits, cache.num_requests) == (20, 8, 2)
+
+
+def test_block_hasher_digests_through_the_cache_give_vllm_payload_bytes() -> None:
+    """Tokens -> BlockHasher -> SimPrefixCache -> msgpack equals the batch vLLM's BlockPool published."""
+    from kvindex.hashing import BlockHasher
+
+    prompt_48, steps = _plain_blockpool_case()
+    digests = BlockHasher(algo="sha256", block_size=16, seed="0").block_hashes(prompt_48)
+    cache = SimPrefixCache(capacity_blocks=7, block_size=16)
+    cache.run("a", prompt_48[:17], digests[:1])
+    second = cache.run("b", prompt_48 + [7], digests)
+    (stored,) = second.events
+    assert isinstance(stored, BlockStored)
+    # vLLM's raw BlockPool leaves kv_cache_spec_kind unset (KVCacheManager.take_events adds it).
+    as_blockpool = msgspec.structs.replace(stored, kv_cache_spec_kind=None)
+    batch = KVEventBatch(ts=1700000000.25, events=[as_blockpool], data_parallel_rank=0)
+    assert encode_batch(batch).hex() == steps[1]["batch_payload_hex"]
+    assert cache.cached_event_hashes() == set(BlockHasher("sha256", 16, "0").event_hashes(prompt_48))
