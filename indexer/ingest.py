@@ -2,22 +2,70 @@
 (gap -> replay, restart -> clear) -> decode -> domain events -> index apply.
 
 `IngestService` is the one object the HTTP API and the CLI hold: it owns the per-model indexes and
-hashers, the subscriber thread(s) and the per-pod workers.
+hashers, the subscriber thread, the per-pod workers and a small watch thread (quiet probes).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+import zlib
 from collections.abc import Sequence
 
 import msgspec
-
+import zmq
 from kvindex.hashing import BlockHasher
+from kvindex.indexer.events import (
+    PREFIX_SPEC_KINDS,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+    PodRef,
+)
+from kvindex.indexer.hash_check import HashCheckSampler, diagnose_mismatch, hashes_agree, is_checkable
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.status import IngestCounters, PodStatus
+from kvindex.indexer.pod_queues import PodQueues
+from kvindex.indexer.status import (
+    STATE_DISCONNECTED,
+    STATE_HASH_MISMATCH,
+    STATE_LIVE,
+    STATE_REPLAYING,
+    STATE_RESYNCING,
+    STATE_SILENT,
+    IngestCounters,
+    PodStatus,
+)
+from kvindex.replay.decode import DecodedBatch, DecodeError, decode_batch
+from kvindex.replay.frames import FrameError, parse_live
+from kvindex.replay.publisher import offset_endpoint_port
+from kvindex.replay.replay_client import replay_from
+from kvindex.replay.sequence import Action, Apply, ClearPod, FetchReplay, ReplayedItem, SequenceTracker
+from kvindex.replay.subscriber import LinkEvent, Subscriber
+
+log = logging.getLogger(__name__)
+
+TOPIC_PREFIX = "kv"
+_LISTEN_SOURCE = "listen"
+_WATCH_INTERVAL_S = 0.1
 
 
 class IngestSettings(msgspec.Struct, frozen=True):
+    """How the write path runs. Built once at start-up.
+
+    Bind mode (`listen`): an engine dials in with topic `kv@<pod>@<model>` (split on the first two `@`:
+    pod ids cannot contain `@`, model names may). Its replay endpoint is `listen_replay_template` with
+    `{pod}` and `{model}` filled in, then vLLM's data-parallel offset applied for the batch's dp rank r > 0
+    (`tcp://host:P` -> `tcp://host:P+r`, `inproc://X` -> `inproc://X_dp{r}`), exactly as vLLM offsets the
+    engine's own `replay_endpoint`. Example: `tcp://{pod}:5558` reaches pod `engine-3` rank 1 at
+    `tcp://engine-3:5559`. None: bind-mode pods have no replay (gaps are then lost history).
+
+    Replays run on the pod's worker, bounded by `replay_timeout_s`: a slow replay delays the other pods
+    that share that worker (FNV-1a of the pod id modulo `num_workers`).
+    """
+
     num_workers: int = 4  # per-pod ordered workers; a pod always maps to one (FNV-1a of pod id)
     queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
@@ -30,6 +78,12 @@ class IngestSettings(msgspec.Struct, frozen=True):
     # Bind mode: replay endpoint of a pod that dialled in, from its topic `kv@<pod>@<model>`;
     # placeholders {pod}, {model}; vLLM's DP port offset is applied for ranks > 0. None: no replay.
     listen_replay_template: str | None = None
+    rcvhwm: int = 100_000  # per SUB socket; a full one drops at the PUB (repaired by replay)
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5_000
+
+
+DEFAULT_SETTINGS = IngestSettings()
 
 
 class ModelRuntime:
@@ -39,38 +93,531 @@ class ModelRuntime:
     hasher: BlockHasher
     index: KVIndex
 
+    def __init__(self, config: ModelConfig, settings: IngestSettings) -> None:
+        self.config = config
+        self.hasher = BlockHasher(algo=config.hash_algo, block_size=config.block_size, seed=config.hash_seed)
+        self.index = KVIndex(
+            num_shards=settings.index_shards,
+            max_keys=settings.index_max_keys,
+            max_pods_per_key=settings.index_max_pods_per_key,
+        )
+
+
+class _Live(msgspec.Struct, frozen=True):
+    """A raw live message handed from the poller to a pod's worker."""
+
+    source_id: str
+    model: str
+    seq: int
+    payload: bytes
+
+
+class _Control(msgspec.Struct, frozen=True):
+    kind: str  # "join" | "probe" | "reconnect"
+    ref: PodRef | None  # None: every bind-mode stream of the pod
+
+
+# What the tracker carries per seq: the decoded batch, or None when the payload could not be decoded
+# (its seq is still consumed, so it does not look like a gap forever).
+_Item = DecodedBatch | None
+
+
+class _Stream:
+    """One (pod, dp rank) publisher: its tracker and its status. Touched by its pod's worker only,
+    except for plain attribute reads by `pod_statuses`."""
+
+    def __init__(self, ref: PodRef, model: str, endpoint: str, replay_endpoint: str | None) -> None:
+        self.ref = ref
+        self.model = model
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.tracker: SequenceTracker[_Item] = SequenceTracker()
+        self.connected = False
+        self.ever_connected = False
+        self.created_at = time.monotonic()
+        self.last_live_at: float | None = None
+        self.active_since_probe = False
+        self.events_total = 0
+        self.replays_total = 0
+        self.hash_mismatches_total = 0
+        self.hash_mismatch = False
+        self.logged: set[str] = set()
+
+
+class _Counters:
+    """IngestCounters behind a lock (several workers update them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = IngestCounters(events_applied={}, dropped={}, replays={})
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self._values, name, getattr(self._values, name) + n)
+
+    def add_to(self, name: str, key: str, n: int = 1) -> None:
+        with self._lock:
+            table: dict[str, int] = getattr(self._values, name)
+            table[key] = table.get(key, 0) + n
+
+    def snapshot(self) -> IngestCounters:
+        with self._lock:
+            return msgspec.convert(msgspec.to_builtins(self._values), IngestCounters)
+
 
 class IngestService:
+    """Subscribes to every pod, keeps each model's index in step with its pods' event streams.
+
+    Connect mode: one SUB per `PodConfig` (a (pod, dp rank) stream). Bind mode (`listen`): one SUB that
+    engines dial; streams appear on their first message. Either way each stream first replays its
+    engine's ring from seq 0 (state `replaying`; `ready()` is False meanwhile).
+    """
+
     def __init__(
         self,
         models: Sequence[ModelConfig],
         pods: Sequence[PodConfig] = (),
         *,
         listen: str | None = None,
-        settings: IngestSettings = IngestSettings(),
+        settings: IngestSettings = DEFAULT_SETTINGS,
     ) -> None:
-        raise NotImplementedError
+        if not models:
+            raise ValueError("at least one model is needed")
+        if not pods and listen is None:
+            raise ValueError("give pods to connect to, or a listen endpoint, or both")
+        self.settings = settings
+        self.listen = listen
+        self._models: dict[str, ModelRuntime] = {}
+        for config in models:
+            if config.name in self._models:
+                raise ValueError(f"model {config.name!r} is configured twice")
+            self._models[config.name] = ModelRuntime(config, settings)
+        self._streams: dict[PodRef, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._source_streams: dict[str, _Stream] = {}
+        for pod in pods:
+            if pod.model not in self._models:
+                raise ValueError(f"pod {pod.pod_id!r} names model {pod.model!r}, which is not configured")
+            if "@" in pod.pod_id:
+                raise ValueError(f"pod id {pod.pod_id!r} must not contain '@'")
+            ref = PodRef(pod.pod_id, pod.dp_rank)
+            if ref in self._streams:
+                raise ValueError(f"pod {pod.pod_id!r} dp rank {pod.dp_rank} is configured twice")
+            stream = _Stream(ref, pod.model, pod.endpoint, pod.replay_endpoint)
+            self._streams[ref] = stream
+            self._source_streams[f"pod:{pod.pod_id}:{pod.dp_rank}"] = stream
+        self._counters = _Counters()
+        self._sampler = HashCheckSampler(settings.hash_check_every)
+        self._logged_once: set[str] = set()
+        self._listen_peers = 0
+        self.listen_endpoint: str | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._queues: PodQueues[_Live | _Control] = PodQueues(
+            self._handle, num_workers=settings.num_workers, queue_size=settings.queue_size
+        )
+        self._subscriber = Subscriber(
+            self._on_frames,
+            self._on_link,
+            ctx=self._ctx,
+            rcvhwm=settings.rcvhwm,
+            reconnect_ivl_ms=settings.reconnect_ivl_ms,
+            reconnect_ivl_max_ms=settings.reconnect_ivl_max_ms,
+        )
+        self._state = "new"
+        self._stop_event = threading.Event()
+        self._watch_thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        raise NotImplementedError
+        """Open the subscriptions and start the threads; idempotent. Address errors raise here."""
+        if self._state != "new":
+            return
+        self._state = "running"
+        for source_id, stream in self._source_streams.items():
+            self._subscriber.add_connect(source_id, stream.endpoint)
+        if self.listen is not None:
+            self.listen_endpoint = self._subscriber.add_bind(_LISTEN_SOURCE, self.listen)
+        self._queues.start()
+        for stream in self._source_streams.values():
+            self._submit(stream.ref.pod_id, _Control("join", stream.ref))
+        self._subscriber.start()
+        self._watch_thread = threading.Thread(target=self._watch, name="kvindex-ingest-watch", daemon=True)
+        self._watch_thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close subscriptions and stop workers; idempotent."""
-        raise NotImplementedError
+        if self._state == "stopped":
+            return
+        was_running = self._state == "running"
+        self._state = "stopped"
+        self._stop_event.set()
+        subscriber_stopped = self._subscriber.stop(timeout_s)
+        workers_stopped = self._queues.stop(timeout_s) if was_running else True
+        if self._watch_thread is not None:
+            self._watch_thread.join(timeout_s)
+        if subscriber_stopped and workers_stopped:
+            self._ctx.destroy(linger=0)
+        else:
+            log.warning("ingest threads did not stop within %.1f s; leaving the ZMQ context open", timeout_s)
+
+    # -- queries --------------------------------------------------------------------------------
 
     def model(self, name: str) -> ModelRuntime | None:
-        raise NotImplementedError
+        return self._models.get(name)
 
     def model_names(self) -> list[str]:
-        raise NotImplementedError
+        return sorted(self._models)
 
     def pod_statuses(self) -> list[PodStatus]:
-        raise NotImplementedError
+        now = time.monotonic()
+        with self._streams_lock:
+            streams = sorted(self._streams.values(), key=lambda s: s.ref)
+        return [self._status(stream, now) for stream in streams]
 
     def counters(self) -> IngestCounters:
         """A snapshot of the process-wide counters."""
-        raise NotImplementedError
+        return self._counters.snapshot()
 
     def ready(self) -> bool:
         """Subscriptions up and no pod in its initial sync."""
-        raise NotImplementedError
+        if self._state != "running":
+            return False
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        return all(stream.tracker.joined for stream in streams)
+
+    def _status(self, stream: _Stream, now: float) -> PodStatus:
+        tracker = stream.tracker
+        return PodStatus(
+            pod=stream.ref.pod_id,
+            model=stream.model,
+            dp_rank=stream.ref.dp_rank,
+            endpoint=stream.endpoint,
+            state=self._state_of(stream, now),
+            last_seq=tracker.last_applied,
+            last_event_age_s=None if stream.last_live_at is None else now - stream.last_live_at,
+            events_total=stream.events_total,
+            gaps_total=tracker.num_gaps,
+            replays_total=stream.replays_total,
+            blocks=self._models[stream.model].index.pod_block_count(stream.ref),
+            hash_mismatches_total=stream.hash_mismatches_total,
+            partial_view=tracker.partial_view,
+            restarts_total=tracker.num_restarts,
+        )
+
+    def _state_of(self, stream: _Stream, now: float) -> str:
+        connected = stream.connected if stream.ref in self._connect_refs() else self._listen_peers > 0
+        if not connected:
+            return STATE_DISCONNECTED
+        if not stream.tracker.joined:
+            return STATE_REPLAYING
+        if stream.hash_mismatch:
+            return STATE_HASH_MISMATCH
+        if stream.tracker.resyncing:
+            return STATE_RESYNCING
+        last_heard = stream.last_live_at if stream.last_live_at is not None else stream.created_at
+        if now - last_heard > self.settings.silent_after_s:
+            return STATE_SILENT
+        return STATE_LIVE
+
+    def _connect_refs(self) -> set[PodRef]:
+        return {stream.ref for stream in self._source_streams.values()}
+
+    # -- poller thread: frames -> queues (no decoding here) ---------------------------------------
+
+    def _on_frames(self, source_id: str, frames: list[bytes]) -> None:
+        try:
+            message = parse_live(frames)
+        except FrameError as exc:
+            self._drop(exc.reason, f"{source_id}: {exc.detail}")
+            return
+        stream = self._source_streams.get(source_id)
+        if stream is not None:
+            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, message.seq, message.payload))
+            return
+        parts = message.topic.decode("utf-8", "replace").split("@", 2)
+        if len(parts) != 3 or parts[0] != TOPIC_PREFIX or not parts[1] or not parts[2]:
+            self._drop("bad_topic", f"topic {message.topic!r} is not kv@<pod>@<model> (seq {message.seq})")
+            return
+        _, pod_id, model = parts
+        if model not in self._models:
+            self._drop("unknown_model", f"pod {pod_id} publishes model {model!r}, which is not configured")
+            return
+        self._submit(pod_id, _Live(source_id, model, message.seq, message.payload))
+
+    def _on_link(self, source_id: str, event: LinkEvent) -> None:
+        stream = self._source_streams.get(source_id)
+        if stream is not None:
+            stream.connected = event == "connected"
+            if event == "connected":
+                if stream.ever_connected:
+                    self._submit(stream.ref.pod_id, _Control("reconnect", stream.ref))
+                stream.ever_connected = True
+            return
+        # Bind mode: ZMQ does not say which engine came or went.
+        if event == "connected":
+            self._listen_peers += 1
+            with self._streams_lock:
+                bind_refs = [ref for ref in self._streams if ref not in self._connect_refs()]
+            for ref in bind_refs:
+                self._submit(ref.pod_id, _Control("reconnect", ref))
+        else:
+            self._listen_peers = max(0, self._listen_peers - 1)
+
+    def _submit(self, pod_id: str, item: _Live | _Control) -> None:
+        if not self._queues.submit(pod_id, item):
+            # The stream sees a gap at its next message (or the quiet probe) and replays it.
+            seq = item.seq if isinstance(item, _Live) else None
+            self._drop("queue_full", f"pod {pod_id}: worker queue full, message seq {seq} dropped")
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self._counters.add_to("dropped", reason)
+        self._log_once(f"drop:{reason}:{detail.split(':')[0]}", "dropped (%s): %s", reason, detail)
+
+    def _log_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._logged_once:
+            self._logged_once.add(key)
+            log.warning(message, *args)
+
+    # -- watch thread: quiet probes ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        quiet_s = self.settings.quiet_probe_after_s
+        while not self._stop_event.wait(min(_WATCH_INTERVAL_S, quiet_s / 4)):
+            now = time.monotonic()
+            with self._streams_lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                last = stream.last_live_at
+                if stream.active_since_probe and last is not None and now - last >= quiet_s:
+                    stream.active_since_probe = False
+                    self._submit(stream.ref.pod_id, _Control("probe", stream.ref))
+
+    # -- workers: one pod's items, in order ---------------------------------------------------------
+
+    def _handle(self, pod_id: str, item: _Live | _Control) -> None:
+        if isinstance(item, _Control):
+            self._handle_control(pod_id, item)
+            return
+        decoded = self._decode(pod_id, item.seq, item.payload)
+        stream = self._source_streams.get(item.source_id)
+        if stream is None:
+            stream = self._bind_stream(pod_id, item.model, decoded)
+        stream.last_live_at = time.monotonic()
+        stream.active_since_probe = True
+        actions = stream.tracker.on_live(item.seq, decoded, zlib.crc32(item.payload))
+        self._perform(stream, actions)
+
+    def _handle_control(self, pod_id: str, item: _Control) -> None:
+        stream = self._streams.get(item.ref) if item.ref is not None else None
+        if stream is None:
+            return
+        if item.kind == "join":
+            self._perform(stream, stream.tracker.begin_join())
+        elif item.kind == "probe":
+            self._perform(stream, stream.tracker.begin_probe())
+        elif item.kind == "reconnect":
+            stream.tracker.on_reconnect()
+
+    def _bind_stream(self, pod_id: str, model: str, decoded: _Item) -> _Stream:
+        rank = decoded.batch.dp_rank if decoded is not None and decoded.batch.dp_rank is not None else 0
+        ref = PodRef(pod_id, rank)
+        stream = self._streams.get(ref)
+        if stream is not None:
+            return stream
+        template = self.settings.listen_replay_template
+        replay_endpoint = None
+        if template is not None:
+            replay_endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
+        stream = _Stream(ref, model, self.listen_endpoint or "", replay_endpoint)
+        with self._streams_lock:
+            self._streams[ref] = stream
+        log.info(
+            "pod %s dp rank %d (model %s) dialled in; replay endpoint %s",
+            pod_id,
+            rank,
+            model,
+            replay_endpoint,
+        )
+        return stream
+
+    def _decode(self, pod_id: str, seq: int, payload: bytes) -> _Item:
+        try:
+            decoded = decode_batch(payload)
+        except DecodeError as exc:
+            self._drop(f"decode_{exc.reason}", f"pod {pod_id}: seq {seq} unreadable: {exc}")
+            return None
+        for reason, n in decoded.dropped.items():
+            self._counters.add_to("dropped", reason, n)
+        return decoded
+
+    def _perform(self, stream: _Stream, actions: list[Action[_Item]]) -> None:
+        tracker = stream.tracker
+        before = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
+        self._run_actions(stream, actions)
+        after = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
+        for name, old, new in zip(("gaps", "duplicates", "history_lost"), before, after, strict=True):
+            if new != old:
+                self._counters.add(name, new - old)
+
+    def _run_actions(self, stream: _Stream, actions: list[Action[_Item]]) -> None:
+        while actions:
+            next_actions: list[Action[_Item]] = []
+            for action in actions:
+                if isinstance(action, Apply):
+                    self._apply(stream, action.seq, action.item)
+                elif isinstance(action, ClearPod):
+                    self._clear(stream, action)
+                elif isinstance(action, FetchReplay):
+                    next_actions = self._replay(stream, action)
+            actions = next_actions
+
+    def _replay(self, stream: _Stream, request: FetchReplay) -> list[Action[_Item]]:
+        pod = stream.ref
+        if stream.replay_endpoint is None:
+            self._counters.add_to("replays", "unavailable")
+            if request.purpose == "gap":
+                self._log_once(
+                    f"noreplay:{pod}", "pod %s rank %d: gap but no replay endpoint", pod.pod_id, pod.dp_rank
+                )
+            return stream.tracker.on_replay([], False)
+        stream.replays_total += 1
+        try:
+            result = replay_from(
+                stream.replay_endpoint,
+                request.start_seq,
+                timeout_s=self.settings.replay_timeout_s,
+                ctx=self._ctx,
+            )
+        except zmq.ZMQError as exc:
+            self._counters.add_to("replays", "error")
+            log.warning(
+                "pod %s rank %d: replay from seq %d failed: %s",
+                pod.pod_id,
+                pod.dp_rank,
+                request.start_seq,
+                exc,
+            )
+            return stream.tracker.on_replay([], False)
+        outcome = "ok" if result.complete else "timeout"
+        if result.history_lost and request.purpose != "join":
+            outcome = "history_lost"
+        self._counters.add_to("replays", outcome)
+        log.info(
+            "pod %s rank %d: %s replay from seq %d -> %d batches (%s)",
+            pod.pod_id,
+            pod.dp_rank,
+            request.purpose,
+            request.start_seq,
+            len(result.messages),
+            outcome,
+        )
+        replayed = [
+            ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), zlib.crc32(m.payload))
+            for m in result.messages
+        ]
+        return stream.tracker.on_replay(replayed, result.complete)
+
+    def _clear(self, stream: _Stream, action: ClearPod) -> None:
+        pod = stream.ref
+        cleared = self._models[stream.model].index.clear_pod(pod)
+        if action.reason == "restart":
+            self._counters.add("restarts")
+            stream.hash_mismatch = False  # a new engine process may run with new settings
+            log.warning(
+                "pod %s rank %d: engine restarted; dropped its %d entries", pod.pod_id, pod.dp_rank, cleared
+            )
+        else:
+            log.warning(
+                "pod %s rank %d: batches after seq %s are lost (not in the replay ring); dropped %d entries, "
+                "state resyncing",
+                pod.pod_id,
+                pod.dp_rank,
+                stream.tracker.last_applied,
+                cleared,
+            )
+
+    def _apply(self, stream: _Stream, seq: int, decoded: _Item) -> None:
+        if decoded is None:
+            return
+        runtime = self._models[stream.model]
+        config = runtime.config
+        kept: list[KVEvent] = []
+        cleared = False
+        for event in decoded.batch.events:
+            if isinstance(event, BlocksStored):
+                if not self._is_prefix_group(config, event.group_idx, event.spec_kind):
+                    self._counters.add("non_prefix_group_events")
+                    continue
+                if event.block_size != 0 and event.block_size != config.block_size:
+                    self._flag_block_size(stream, seq, event, config)
+                    continue
+                self._maybe_check_hashes(stream, seq, event, runtime)
+            elif isinstance(event, BlocksRemoved):
+                if not self._is_prefix_group(config, event.group_idx, None):
+                    self._counters.add("non_prefix_group_events")
+                    continue
+            elif isinstance(event, AllBlocksCleared):
+                cleared = True
+            kept.append(event)
+        if kept:
+            stats = runtime.index.apply(stream.ref, kept)
+            if stats.unknown_parents:
+                self._counters.add("unknown_parents", stats.unknown_parents)
+            for event in kept:
+                self._counters.add_to("events_applied", _EVENT_NAMES[type(event)])
+            stream.events_total += len(kept)
+        if cleared:
+            stream.tracker.view_complete()
+
+    @staticmethod
+    def _is_prefix_group(config: ModelConfig, group_idx: int | None, spec_kind: str | None) -> bool:
+        if spec_kind is not None and spec_kind not in PREFIX_SPEC_KINDS:
+            return False
+        return group_idx is None or group_idx in config.prefix_group_idxs
+
+    def _flag_block_size(self, stream: _Stream, seq: int, event: BlocksStored, config: ModelConfig) -> None:
+        self._counters.add("block_size_mismatches")
+        stream.hash_mismatch = True
+        if "block_size" not in stream.logged:
+            stream.logged.add("block_size")
+            log.warning(
+                "pod %s rank %d seq %d: event block_size %d differs from model %s's %d; not indexed "
+                "(set --block-size to the engines' value)",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                seq,
+                event.block_size,
+                config.name,
+                config.block_size,
+            )
+
+    def _maybe_check_hashes(
+        self, stream: _Stream, seq: int, event: BlocksStored, runtime: ModelRuntime
+    ) -> None:
+        config = runtime.config
+        if not is_checkable(event, config.block_size) or not self._sampler.should_check(stream.ref):
+            return
+        if hashes_agree(event, runtime.hasher):
+            return
+        stream.hash_mismatches_total += 1
+        stream.hash_mismatch = True
+        self._counters.add("hash_mismatches")
+        if "hash" not in stream.logged:
+            stream.logged.add("hash")
+            log.warning(
+                "pod %s rank %d seq %d: block hashes differ from model %s's settings: %s",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                seq,
+                config.name,
+                diagnose_mismatch(event, config),
+            )
+
+
+_EVENT_NAMES: dict[type, str] = {
+    BlocksStored: "BlockStored",
+    BlocksRemoved: "BlockRemoved",
+    AllBlocksCleared: "AllBlocksCleared",
+}

@@ -45,6 +45,10 @@ class IngestCounters(msgspec.Struct):
     # reason -> dropped events or messages (decode errors, bad frames, non-prefix groups, ...)
     dropped: dict[str, int] = {}
     gaps: int = 0
+    # Extensions: gaps the replay ring could not cover (pod cleared, `resyncing`), and live batches
+    # skipped as already applied (normal right after a replay).
+    history_lost: int = 0
+    duplicates: int = 0
     # outcome ("ok" | "history_lost" | "timeout" | "error") -> replays
     replays: dict[str, int] = {}
     restarts: int = 0

@@ -1,0 +1,169 @@
+"""The ingest pipeline in connect mode against real engines (EventPublisher on 127.0.0.1): late join,
+losses repaired by replay, a gap older than the ring, restarts, DP ranks, a seed mismatch. Each test
+ends with the index equal to what the engines hold (the reference), or the pod flagged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kvindex.indexer.ingest import IngestService, IngestSettings
+from kvindex.indexer.model import ModelConfig, PodConfig
+from kvindex.indexer.status import PodStatus
+from test_ingest_support import Engine, SilentReplay, index_matches, indexed_keys, wait_for
+
+MODEL = ModelConfig(name="m")
+FAST = IngestSettings(num_workers=2, quiet_probe_after_s=0.3, replay_timeout_s=5.0, hash_check_every=1)
+
+
+def pod_config(engine: Engine) -> PodConfig:
+    return PodConfig(
+        pod_id=engine.ref.pod_id,
+        endpoint=engine.endpoint,
+        model="m",
+        replay_endpoint=engine.replay_endpoint,
+        dp_rank=engine.ref.dp_rank,
+    )
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def status_of(service: IngestService, engine: Engine) -> PodStatus:
+    return next(
+        s for s in service.pod_statuses() if (s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank)
+    )
+
+
+def test_late_join_then_live_stream_matches_the_engines(engines: list[Engine]) -> None:
+    engines += [Engine("pod-a"), Engine("pod-b")]
+    for engine in engines:  # before the indexer exists: only the ring has these
+        for _ in range(5):
+            engine.store()
+        engine.remove_oldest()
+        engine.flush()
+    service = IngestService([MODEL], [pod_config(e) for e in engines], settings=FAST)
+    service.start()
+    try:
+        wait_for(service.ready, what="initial sync")
+        wait_for(lambda: all(status_of(service, e).state == "live" for e in engines), what="live")
+        for engine in engines:  # published right after start: some may beat the SUB's connection
+            for _ in range(20):
+                engine.store()
+            engine.remove_oldest()
+            engine.flush()
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, engines), what="index == engines")
+        statuses = [status_of(service, e) for e in engines]
+        assert all(s.state == "live" and not s.partial_view for s in statuses), statuses
+        assert all(s.last_seq == 26 for s in statuses), statuses
+        counters = service.counters()
+        assert counters.hash_mismatches == 0
+        assert counters.events_applied["BlockStored"] == 2 * 25
+    finally:
+        service.stop()
+    service.stop()  # idempotent
+
+
+@pytest.mark.parametrize(("buffer_steps", "expect_state"), [(10_000, "live"), (3, "resyncing")])
+def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
+    engines: list[Engine], buffer_steps: int, expect_state: str
+) -> None:
+    """One worker, kept busy by another pod's unanswered replay: the pod's queue overflows for certain."""
+    blocker = SilentReplay()
+    engine = Engine("pod-a", buffer_steps=buffer_steps)
+    busy = Engine("pod-busy", replay_endpoint=None)
+    engines += [engine, busy]
+    pods = [pod_config(engine), PodConfig("pod-busy", busy.endpoint, "m", replay_endpoint=blocker.endpoint)]
+    settings = IngestSettings(num_workers=1, queue_size=4, quiet_probe_after_s=0.3, replay_timeout_s=30.0)
+    service = IngestService([MODEL], pods, settings=settings)
+    service.start()
+    try:
+        blocker.wait_request()  # the single worker is now inside pod-busy's join replay
+        wait_for(lambda: status_of(service, engine).state != "disconnected", what="pod-a connected")
+        for _ in range(30):
+            engine.store()
+        engine.flush()
+        wait_for(lambda: service.counters().dropped.get("queue_full", 0) >= 20, what="queue overflow")
+        blocker.release()
+        index = service.model("m").index  # type: ignore[union-attr]
+        if expect_state == "live":
+            wait_for(lambda: index_matches(index, [engine]), what="lost batches replayed")
+            assert status_of(service, engine).state == "live"
+        else:
+            wait_for(lambda: status_of(service, engine).state == "resyncing", what="resyncing")
+            held = indexed_keys(index, engine.ref, engine.ever)
+            ring_keys = {k for keys in engine.stored_order[-3:] for k in keys}
+            assert held == ring_keys  # what the ring still had, and nothing the engine dropped
+            assert service.counters().history_lost >= 1
+            engine.clear()  # the engine's whole cache is known again
+            engine.store()
+            wait_for(lambda: status_of(service, engine).state == "live", what="live after AllBlocksCleared")
+            assert index_matches(index, [engine])
+    finally:
+        service.stop()
+        blocker.close()
+
+
+def test_engine_restart_drops_the_old_entries(engines: list[Engine]) -> None:
+    engine = Engine("pod-a")
+    engines.append(engine)
+    service = IngestService([MODEL], [pod_config(engine)], settings=FAST)
+    service.start()
+    try:
+        wait_for(lambda: status_of(service, engine).state == "live", what="live")
+        for _ in range(6):
+            engine.store()
+        engine.flush()
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, [engine]), what="first engine indexed")
+        engine.restart()
+        engine.store()
+        engine.store()
+        engine.flush()
+        wait_for(lambda: index_matches(index, [engine]), what="only the new engine's blocks")
+        assert status_of(service, engine).restarts_total == 1
+        assert service.counters().restarts == 1
+    finally:
+        service.stop()
+
+
+def test_two_dp_ranks_of_one_pod_are_kept_apart(engines: list[Engine]) -> None:
+    rank0 = Engine("pod-a", dp_rank=0)
+    rank1 = Engine("pod-a", dp_rank=1)
+    engines += [rank0, rank1]
+    for _ in range(3):
+        rank0.store()
+        rank1.store()
+    rank0.flush()
+    rank1.flush()
+    service = IngestService([MODEL], [pod_config(rank0), pod_config(rank1)], settings=FAST)
+    service.start()
+    try:
+        rank1.store()
+        rank1.flush()
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, engines), what="both ranks indexed")
+        assert status_of(service, rank0).last_seq == 2 and status_of(service, rank1).last_seq == 3
+    finally:
+        service.stop()
+
+
+def test_engines_with_another_seed_are_flagged(engines: list[Engine]) -> None:
+    engine = Engine("pod-a", seed="42")  # the indexer expects PYTHONHASHSEED unset
+    engines.append(engine)
+    service = IngestService([MODEL], [pod_config(engine)], settings=FAST)
+    service.start()
+    try:
+        engine.store()
+        engine.flush()
+        wait_for(lambda: status_of(service, engine).state == "hash_mismatch", what="hash_mismatch")
+        assert service.counters().hash_mismatches >= 1
+        assert status_of(service, engine).hash_mismatches_total >= 1
+    finally:
+        service.stop()
