@@ -17,47 +17,48 @@ from kvindex.hashing.extra_keys import ExtraKeys
 
 SEGMENT_BLOCKS: Final = 16
 
-# A block's memo value: (digest, event hash); a segment's: (digests, event hashes) of its blocks.
-BlockValue = tuple[bytes, int]
-SegmentValue = tuple[tuple[bytes, ...], tuple[int, ...]]
+# What the memo keys a run of tokens by: their uint32 bytes (4 bytes a token: cheap to slice, hash and
+# compare) or, when an id does not fit, the int tuple itself (1 item a token). `unit` says which.
+TokenKey = bytes | tuple[int, ...]
 
 
 class DigestMemo:
-    """LRU memo keyed by (parent digest, block tokens, extra keys); the parent pins the whole prefix.
+    """LRU memo: (parent digest, tokens, extra keys) -> digest(s); the parent pins the whole prefix.
 
-    `capacity_blocks` bounds the number of digests held (segments count SEGMENT_BLOCKS each). Safe to
-    share between threads: every read-modify of the dicts happens under one lock, and the lock is never
-    held while hashing.
+    `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to share between
+    threads: every read-modify of the dicts happens under one lock, never held while hashing.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
-        self._blocks: OrderedDict[tuple[Any, ...], BlockValue] = OrderedDict()
-        self._segments: OrderedDict[tuple[Any, ...], SegmentValue] = OrderedDict()
+        self._blocks: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+        self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
+        """Digests held."""
         with self._lock:
             return len(self._blocks) + SEGMENT_BLOCKS * len(self._segments)
 
     def resolve(
         self,
         root: bytes,
-        token_ids: tuple[int, ...],
+        token_key: TokenKey,
+        unit: int,
         block_size: int,
         num_blocks: int,
         extras: Sequence[ExtraKeys] | None,
         digests: list[bytes],
-        events: list[int],
     ) -> list[int]:
-        """Append the longest known prefix of the chain to `digests`/`events`.
+        """Append the longest known prefix of the chain to `digests`.
 
-        Returns the start block of every full segment whose lookup missed: the caller must `record` them
-        once their blocks are known.
+        Returns the first block of every full segment whose lookup missed: the caller `record`s them once
+        their blocks are known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
         """
         seg = SEGMENT_BLOCKS
-        seg_tokens = seg * block_size
+        block_width = block_size * unit
+        seg_width = seg * block_width
         full_end = num_blocks - num_blocks % seg
         missed_segments: list[int] = []
         parent = root
@@ -65,45 +66,43 @@ class DigestMemo:
         with self._lock:
             segments, blocks = self._segments, self._blocks
             while index < num_blocks:
-                start = index * block_size
+                start = index * block_width
                 if index % seg == 0 and index < full_end:
-                    key = (
+                    seg_key = (
                         parent,
-                        token_ids[start : start + seg_tokens],
+                        token_key[start : start + seg_width],
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
-                    found = segments.get(key)
+                    found = segments.get(seg_key)
                     if found is not None:
-                        segments.move_to_end(key)
-                        digests.extend(found[0])
-                        events.extend(found[1])
-                        parent = found[0][-1]
+                        segments.move_to_end(seg_key)
+                        digests.extend(found)
+                        parent = found[-1]
                         index += seg
                         continue
                     missed_segments.append(index)
                 block_key = (
                     parent,
-                    token_ids[start : start + block_size],
+                    token_key[start : start + block_width],
                     None if extras is None else extras[index],
                 )
                 hit = blocks.get(block_key)
                 if hit is None:
                     break
                 blocks.move_to_end(block_key)
-                digests.append(hit[0])
-                events.append(hit[1])
-                parent = hit[0]
+                digests.append(hit)
+                parent = hit
                 index += 1
         return missed_segments
 
     def record(
         self,
         root: bytes,
-        token_ids: tuple[int, ...],
+        token_key: TokenKey,
+        unit: int,
         block_size: int,
         extras: Sequence[ExtraKeys] | None,
         digests: Sequence[bytes],
-        events: Sequence[int],
         first_new: int,
         missed_segments: list[int],
     ) -> None:
@@ -113,6 +112,7 @@ class DigestMemo:
         of the ragged tail go to the block level, where the next, longer turn will find them.
         """
         seg = SEGMENT_BLOCKS
+        block_width = block_size * unit
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
@@ -120,31 +120,29 @@ class DigestMemo:
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries = []
         for index in starts:
-            start = index * block_size
+            start = index * block_width
             key = (
                 root if index == 0 else digests[index - 1],
-                token_ids[start : start + seg * block_size],
+                token_key[start : start + seg * block_width],
                 None if extras is None else tuple(extras[index : index + seg]),
             )
-            seg_entries.append(
-                (key, (tuple(digests[index : index + seg]), tuple(events[index : index + seg])))
-            )
+            seg_entries.append((key, tuple(digests[index : index + seg])))
         block_entries = []
         for index in range(max(first_new, full_end), num_blocks):
-            start = index * block_size
+            start = index * block_width
             key = (
                 root if index == 0 else digests[index - 1],
-                token_ids[start : start + block_size],
+                token_key[start : start + block_width],
                 None if extras is None else extras[index],
             )
-            block_entries.append((key, (digests[index], events[index])))
+            block_entries.append((key, digests[index]))
         with self._lock:
             segments, blocks = self._segments, self._blocks
-            for seg_key, seg_value in seg_entries:
-                segments[seg_key] = seg_value
+            for seg_key, seg_digests in seg_entries:
+                segments[seg_key] = seg_digests
             while len(segments) > self._segment_capacity:
                 segments.popitem(last=False)
-            for block_key, block_value in block_entries:
-                blocks[block_key] = block_value
+            for block_key, digest in block_entries:
+                blocks[block_key] = digest
             while len(blocks) > self._block_capacity:
                 blocks.popitem(last=False)

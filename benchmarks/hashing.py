@@ -1,0 +1,151 @@
+"""Block-hashing throughput: kvindex's BlockHasher against the vLLM formula, measured in the same run.
+
+The baseline hashes exactly as vLLM does per block — `H(serialize((parent, tuple(tokens), None)))` with
+pickle.dumps(protocol 5) or cbor2.dumps(canonical=True), then hashlib/xxhash — chained over full blocks.
+Workloads (block size 16, token ids < 150001):
+  cold  new, unrelated 8192-token prompts (nothing to reuse);
+  hot   conversations sharing a 4096-token system prompt, each growing by 256-token turns up to 8192
+        tokens and re-scored every turn (what a router sees), interleaved round-robin.
+`python -m benchmarks.hashing [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pickle
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cbor2
+import xxhash
+from kvindex.hashing import HASH_ALGOS, BlockHasher
+
+from benchmarks._table import format_table
+
+BLOCK_SIZE = 16
+VOCAB = 150_001
+PROMPT_TOKENS = 8192
+SEED = "0"
+
+
+def vllm_formula(algo: str) -> Callable[[Sequence[int]], list[bytes]]:
+    """The per-block hashing vLLM runs (hash_block_tokens over get_request_block_hasher's loop)."""
+    serialize: Callable[[Any], bytes]
+    if algo.endswith("_cbor"):
+
+        def serialize(obj: Any) -> bytes:
+            return cbor2.dumps(obj, canonical=True)
+    else:
+
+        def serialize(obj: Any) -> bytes:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+    if algo.startswith("sha256"):
+
+        def digest(data: bytes) -> bytes:
+            return hashlib.sha256(data).digest()
+    else:
+        digest = xxhash.xxh3_128_digest
+    root = digest(serialize(SEED))
+
+    def block_hashes(token_ids: Sequence[int]) -> list[bytes]:
+        hashes: list[bytes] = []
+        parent = None
+        for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+            parent = digest(serialize((parent or root, tuple(token_ids[start : start + BLOCK_SIZE]), None)))
+            hashes.append(parent)
+        return hashes
+
+    return block_hashes
+
+
+def cold_prompts(rng: random.Random, count: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+
+
+def hot_prompts(rng: random.Random, conversations: int, turn_tokens: int) -> list[list[int]]:
+    """Every turn of `conversations` chats over one shared 4096-token system prompt, interleaved."""
+    system = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS // 2)]
+    chats = [list(system) for _ in range(conversations)]
+    prompts: list[list[int]] = []
+    while len(chats[0]) + turn_tokens <= PROMPT_TOKENS:
+        for chat in chats:
+            chat.extend(rng.randrange(VOCAB) for _ in range(turn_tokens))
+            prompts.append(list(chat))
+    return prompts
+
+
+def measure(hash_prompt: Callable[[Sequence[int]], Any], prompts: list[list[int]]) -> float:
+    """Blocks per second over all prompts."""
+    blocks = sum(len(prompt) // BLOCK_SIZE for prompt in prompts)
+    began = time.perf_counter()
+    for prompt in prompts:
+        hash_prompt(prompt)
+    return blocks / (time.perf_counter() - began)
+
+
+def compare(
+    baseline: Callable[[Sequence[int]], list[bytes]], algo: str, prompts: list[list[int]], repeats: int
+) -> tuple[float, float]:
+    """Best blocks/s of the baseline and of a fresh BlockHasher (empty memo) over `prompts`, measured
+    alternately so both see the same machine load."""
+    base_rate = ours_rate = 0.0
+    for _ in range(repeats):
+        base_rate = max(base_rate, measure(baseline, prompts))
+        ours_rate = max(ours_rate, measure(BlockHasher(algo, BLOCK_SIZE, SEED).block_hashes, prompts))
+    return base_rate, ours_rate
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hashing", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny run (smoke test), numbers meaningless")
+    args = parser.parse_args(argv)
+    cold_count, conversations, repeats = (2, 2, 1) if args.quick else (12, 4, 5)
+    turn_tokens = 1024 if args.quick else 256
+    rng = random.Random(20261130)
+    workloads = {
+        "cold": cold_prompts(rng, cold_count),
+        "hot": hot_prompts(rng, conversations, turn_tokens),
+    }
+    per_prompt = PROMPT_TOKENS // BLOCK_SIZE
+    rows: list[list[object]] = []
+    for algo in HASH_ALGOS:
+        baseline = vllm_formula(algo)
+        check = workloads["cold"][0]
+        if BlockHasher(algo, BLOCK_SIZE, SEED).block_hashes(check) != baseline(check):
+            raise SystemExit(
+                f"{algo}: kvindex and the vLLM formula disagree; fix hashing before benchmarking"
+            )
+        for workload, prompts in workloads.items():
+            base_rate, ours_rate = compare(baseline, algo, prompts, repeats)
+            rows.append(
+                [
+                    algo,
+                    workload,
+                    round(base_rate),
+                    round(ours_rate),
+                    round(per_prompt / base_rate * 1e6),
+                    round(per_prompt / ours_rate * 1e6),
+                    f"{ours_rate / base_rate:.2f}x",
+                ]
+            )
+    headers = [
+        "algo",
+        "workload",
+        "vLLM blocks/s",
+        "kvindex blocks/s",
+        "vLLM µs/8k prompt",
+        "kvindex µs/8k prompt",
+        "speed-up",
+    ]
+    print(
+        f"block size {BLOCK_SIZE}, {PROMPT_TOKENS}-token prompts{' (--quick: meaningless numbers)' if args.quick else ''}"
+    )
+    print(format_table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()
