@@ -40,7 +40,9 @@ class Engine:
         topic: str = "",
         buffer_steps: int = 10_000,
         seed: str | None = None,
+        offset_addresses: bool = True,
     ) -> None:
+        """`offset_addresses=False`: the addresses are already this rank's (vLLM's offset not applied)."""
         self.ref = PodRef(pod_id, dp_rank)
         self.topic = topic
         self.buffer_steps = buffer_steps
@@ -49,8 +51,13 @@ class Engine:
         self.ever: set[int] = set()
         self.stored_order: list[list[int]] = []
         self.publisher = EventPublisher(
-            endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_steps=buffer_steps, dp_rank=dp_rank
+            endpoint,
+            replay_endpoint=replay_endpoint,
+            topic=topic,
+            buffer_steps=buffer_steps,
+            dp_rank=dp_rank if offset_addresses else 0,
         )
+        self.publisher.dp_rank = dp_rank
         self.dp_rank = dp_rank
 
     @property

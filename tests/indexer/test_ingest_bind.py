@@ -1,0 +1,113 @@
+"""The ingest pipeline in bind mode: engines dial the indexer's SUB with topic `kv@<pod>@<model>`; the
+replay endpoint comes from the template (+ vLLM's DP port offset). Real EventPublishers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+from kvindex.indexer.ingest import IngestService, IngestSettings
+from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.status import PodStatus
+from test_ingest_support import Engine, index_matches, wait_for
+
+MODELS = [ModelConfig(name="m"), ModelConfig(name="org/model@v2")]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def free_port() -> int:
+    """An ephemeral port the kernel just handed out (the socket is closed again at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def status_of(service: IngestService, engine: Engine) -> PodStatus:
+    return next(
+        s for s in service.pod_statuses() if (s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank)
+    )
+
+
+def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: list[Engine]) -> None:
+    # The replay port doubles as the pod id so the template can reach an ephemeral port:
+    # template tcp://127.0.0.1:{pod}; rank 1's replay socket is at that port + 1 (vLLM's DP offset).
+    settings = IngestSettings(
+        num_workers=2,
+        quiet_probe_after_s=0.3,
+        hash_check_every=1,
+        listen_replay_template="tcp://127.0.0.1:{pod}",
+    )
+    service = IngestService(MODELS, listen="tcp://127.0.0.1:*", settings=settings)
+    service.start()
+    try:
+        listen = service.listen_endpoint
+        assert listen is not None
+        port = free_port()
+        pod_id = str(port)
+        rank0 = Engine(
+            pod_id, endpoint=listen, replay_endpoint=f"tcp://127.0.0.1:{port}", topic=f"kv@{pod_id}@m"
+        )
+        rank1 = Engine(
+            pod_id,
+            endpoint=listen,
+            replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
+            topic=f"kv@{pod_id}@m",
+            dp_rank=1,
+            offset_addresses=False,
+        )
+        other = Engine("pod-b", endpoint=listen, replay_endpoint=None, topic="kv@pod-b@org/model@v2")
+        engines += [rank0, rank1, other]
+        for _ in range(10):  # the first ones are lost until each PUB has our subscription: replayed
+            rank0.store()
+            rank1.store()
+            rank1.store()
+            other.store()
+        for engine in engines:
+            engine.flush()
+        index_m = service.model("m").index  # type: ignore[union-attr]
+        index_other = service.model("org/model@v2").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index_m, [rank0, rank1]), what="both ranks indexed")
+        assert status_of(service, rank0).last_seq == 9 and status_of(service, rank1).last_seq == 19
+        assert status_of(service, rank1).model == "m"
+        # pod-b has no replay socket (the template reaches nothing there): what it received is indexed.
+        wait_for(lambda: status_of(service, other).model == "org/model@v2", what="model with '@'")
+        wait_for(service.ready, what="ready")
+
+        rank0.restart()
+        rank0.store()
+        rank0.flush()
+        wait_for(lambda: index_matches(index_m, [rank0, rank1]), what="rank 0 restarted, rank 1 intact")
+        assert status_of(service, rank0).restarts_total == 1
+        assert status_of(service, rank1).restarts_total == 0
+        assert index_other.num_keys() > 0
+    finally:
+        service.stop()
+
+
+def test_unknown_model_in_topic_is_a_counted_drop(engines: list[Engine]) -> None:
+    service = IngestService(MODELS, listen="tcp://127.0.0.1:*", settings=IngestSettings())
+    service.start()
+    try:
+        assert service.listen_endpoint is not None
+        engine = Engine(
+            "pod-x", endpoint=service.listen_endpoint, replay_endpoint=None, topic="kv@pod-x@nope"
+        )
+        engines.append(engine)
+
+        def dropped() -> bool:
+            engine.store()  # keep publishing until our subscription has reached the PUB
+            engine.flush()
+            return service.counters().dropped.get("unknown_model", 0) > 0
+
+        wait_for(dropped, what="unknown_model drop")
+        assert service.pod_statuses() == []
+    finally:
+        service.stop()
