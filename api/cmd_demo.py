@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=4, help="simulated engines (default 4)")
     parser.add_argument(
-        "--requests", type=int, default=600, help="requests in the trace, per policy (default 600)"
+        "--requests", type=int, default=1200, help="requests in the trace, per policy (default 1200)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the random policy")
     parser.add_argument(

@@ -204,6 +204,7 @@ async def _route_trace(
             finished[request.index].set()
             slots.release()
             num_done += 1
+            result.events_indexed = fleet.events_indexed()
             progress.update(num_done, result)
 
     for request in trace:

@@ -18,7 +18,7 @@ VOCAB_HIGH = 128_000
 class WorkloadSpec:
     """Shape of the trace. Lengths are in tokens; ranges are inclusive (low, high)."""
 
-    num_requests: int = 600
+    num_requests: int = 1200
     seed: int = 0
     num_system_prompts: int = 4
     system_prompt_tokens: tuple[int, int] = (256, 768)

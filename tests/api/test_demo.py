@@ -35,11 +35,15 @@ def _run_demo(*extra: str) -> subprocess.CompletedProcess[str]:
 def test_demo_prints_the_table_and_kv_aware_wins() -> None:
     completed = _run_demo()
     assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    header = next(n for n, line in enumerate(lines) if line.startswith("policy "))
+    assert set(lines[header + 1]) == {"-", " "}
     rows = {}
-    for line in completed.stdout.splitlines():
+    for line in lines[header + 2 :]:
+        if not line.strip():
+            break  # the table ends at the first blank line
         cells = line.split()
-        if cells and cells[0] in ("kv-aware", "round-robin", "random"):
-            rows[cells[0]] = cells
+        rows[cells[0]] = cells
     assert set(rows) == {"kv-aware", "round-robin", "random"}, completed.stdout
     # columns: policy, requests, hit rate, prefill tokens, score p50 (value unit | -), ...
     hit_rate = {name: float(cells[2].rstrip("%")) for name, cells in rows.items()}
