@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvindex.api import cmd_serve
 from kvindex.api.cli import main
 from kvindex.api.config import ConfigError, ServeConfig, build_serve_config, parse_pod_flag
@@ -82,7 +81,12 @@ def test_toml_with_two_models_and_lora_tables(tmp_path: Path) -> None:
     assert (llama.name, llama.block_size, llama.hash_algo, llama.hash_seed) == ("llama-8b", 16, "sha256", "0")
     assert llama.lora_adapters == {"sql-lora": "/adapters/sql-lora", "chat-lora": "/adapters/chat"}
     assert llama.prefix_group_idxs == frozenset({0, 2})
-    assert (qwen.name, qwen.block_size, qwen.hash_algo, qwen.hash_seed) == ("qwen-32b", 64, "xxhash_cbor", "42")
+    assert (qwen.name, qwen.block_size, qwen.hash_algo, qwen.hash_seed) == (
+        "qwen-32b",
+        64,
+        "xxhash_cbor",
+        "42",
+    )
     assert qwen.lora_adapters == {}
     assert qwen.prefix_group_idxs == frozenset({0})
 
@@ -123,7 +127,11 @@ def test_flags_override_and_extend_the_file(tmp_path: Path) -> None:
     ]
     config = build(argv)
     llama = config.models[0]
-    assert (llama.block_size, llama.hash_seed, llama.lora_adapters["sql-lora"]) == (32, "0", "/adapters/sql-lora")
+    assert (llama.block_size, llama.hash_seed, llama.lora_adapters["sql-lora"]) == (
+        32,
+        "0",
+        "/adapters/sql-lora",
+    )
     assert (config.api.host, config.api.port) == ("127.0.0.1", 0)
     by_id = {(p.pod_id, p.dp_rank): p for p in config.pods}
     assert by_id[("pod-a", 0)].endpoint == "tcp://10.9.9.9:5557"  # the flag replaced the file's entry

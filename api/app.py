@@ -1,0 +1,149 @@
+"""The HTTP shell around the IngestService: application factory, route table, error middleware.
+
+Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz. Every error a client
+can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything unexpected is a logged 500, never
+a traceback to the client and never a crash of the server or of ingest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+from kvindex.api.config import ApiSettings
+from kvindex.api.metrics import RequestMetrics, build_registry
+from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
+from kvindex.api.score import ScoreHandler
+from kvindex.indexer.ingest import IngestService
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+logger = logging.getLogger(__name__)
+
+SERVICE = web.AppKey("service", IngestService)
+SETTINGS = web.AppKey("settings", ApiSettings)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
+HASH_EXECUTOR = web.AppKey("hash_executor", ThreadPoolExecutor)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(value: object, *, status: int = 200) -> web.Response:
+    return web.Response(body=JSON_ENCODER.encode(value), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response(ErrorBody(error=message), status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure into a JSON error and count every response by route and status."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    try:
+        response = await handler(request)
+    except RequestError as exc:
+        response = error_response(exc.status, str(exc))
+    except web.HTTPException as exc:
+        response = _http_exception_response(request, exc)
+    except asyncio.CancelledError:
+        raise  # the client went away or the server is stopping
+    except Exception:
+        logger.exception("unhandled error answering %s %s", request.method, request.path)
+        response = error_response(500, "server: internal error (logged on the server)")
+    request.app[REQUEST_METRICS].requests.labels(route, str(response.status)).inc()
+    return response
+
+
+def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    if exc.status < 400:
+        raise exc  # a redirect or similar: not an error
+    if exc.status == 413:
+        limit = request.app[SETTINGS].max_body_bytes
+        message = f"body: larger than the limit of {limit} bytes"
+    elif exc.status == 404:
+        message = f"path: no route {request.path}"
+    elif exc.status == 405:
+        message = f"method: {request.method} is not allowed on {request.path}"
+    else:
+        message = f"request: {exc.reason}"
+    response = error_response(exc.status, message)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
+    return response
+
+
+async def handle_pods(request: web.Request) -> web.Response:
+    return json_response(PodsResponse(pods=request.app[SERVICE].pod_statuses()))
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def handle_readyz(request: web.Request) -> web.Response:
+    if request.app[SERVICE].ready():
+        return json_response({"ready": True})
+    return json_response(
+        {"ready": False, "error": "ingest: subscriptions not up or a pod is still in its initial sync"},
+        status=503,
+    )
+
+
+def create_app(
+    service: IngestService, settings: ApiSettings | None = None, *, manage_service: bool = False
+) -> web.Application:
+    """The aiohttp application serving `service`.
+
+    With `manage_service`, the app starts the service on start-up and stops it on clean-up (what
+    `kvindex serve` does); otherwise the caller owns the service's lifetime.
+    """
+    settings = settings or ApiSettings()
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    registry, request_metrics = build_registry(service)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvindex-hash")
+    app[SERVICE] = service
+    app[SETTINGS] = settings
+    app[REGISTRY] = registry
+    app[REQUEST_METRICS] = request_metrics
+    app[HASH_EXECUTOR] = executor
+
+    async def own_executor(app: web.Application) -> AsyncIterator[None]:
+        yield
+        executor.shutdown(wait=True, cancel_futures=True)
+
+    app.cleanup_ctx.append(own_executor)
+    if manage_service:
+        app.cleanup_ctx.append(_own_service)
+
+    score = ScoreHandler(service, settings, request_metrics, executor)
+    app.router.add_routes(
+        [
+            web.post("/v1/score", score.handle),
+            web.get("/v1/pods", handle_pods),
+            web.get("/metrics", handle_metrics),
+            web.get("/healthz", handle_healthz),
+            web.get("/readyz", handle_readyz),
+        ]
+    )
+    return app
+
+
+async def _own_service(app: web.Application) -> AsyncIterator[None]:
+    service = app[SERVICE]
+    loop = asyncio.get_running_loop()
+    # start() and stop() dial sockets and join threads: keep them off the event loop.
+    await loop.run_in_executor(None, service.start)
+    try:
+        yield
+    finally:
+        await loop.run_in_executor(None, service.stop)

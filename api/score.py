@@ -1,0 +1,161 @@
+"""The read path, assembled: HTTP handler -> block hashes -> index lookup -> scores -> JSON.
+
+`POST /v1/score` (CONTRACT.md). The request is validated before anything is hashed; the prompt is
+hashed with the model's own settings (block size, algo, seed, LoRA table), on the event loop for
+ordinary prompts and on one worker thread above `ApiSettings.hash_in_executor_min_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+from kvindex.api.config import ApiSettings
+from kvindex.api.metrics import RequestMetrics
+from kvindex.api.schemas import (
+    JSON_ENCODER,
+    PodScoreOut,
+    RequestError,
+    ScoreRequest,
+    ScoreResponse,
+    decode_score_request,
+    validate_score_request,
+)
+from kvindex.hashing import BlockHasher, MMItem
+from kvindex.indexer.ingest import IngestService, ModelRuntime
+from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.scorer import PodScore, score_prefix
+
+
+class PromptHashers:
+    """One BlockHasher per model for one thread.
+
+    Hashers keep a memo, so they are never shared between threads: the event loop has one set, the
+    hashing worker thread another, and neither shares the ingest pipeline's.
+    """
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, BlockHasher] = {}
+
+    def block_keys(self, config: ModelConfig, request: ScoreRequest, lora_path: str | None) -> list[int]:
+        hasher = self._by_model.get(config.name)
+        if hasher is None:
+            hasher = BlockHasher(algo=config.hash_algo, block_size=config.block_size, seed=config.hash_seed)
+            self._by_model[config.name] = hasher
+        assert request.token_ids is not None
+        mm = None
+        if request.mm is not None:
+            mm = [MMItem(identifier=m.identifier, offset=m.offset, length=m.length) for m in request.mm]
+        return hasher.event_hashes(
+            request.token_ids,
+            lora_name=request.lora_name,
+            lora_path=lora_path,
+            cache_salt=request.cache_salt,
+            mm=mm,
+        )
+
+
+def resolve_model(service: IngestService, model_name: str | None) -> ModelRuntime:
+    """The runtime of the named model; with no name, the only configured model."""
+    names = service.model_names()
+    if model_name is None:
+        if len(names) != 1:
+            raise RequestError("model", f"required, since several models are configured ({', '.join(names)})")
+        model_name = names[0]
+    runtime = service.model(model_name)
+    if runtime is None:
+        raise RequestError("model", f"unknown model {model_name!r}; known: {', '.join(names)}", status=404)
+    return runtime
+
+
+def resolve_lora_path(config: ModelConfig, request: ScoreRequest) -> str | None:
+    """The adapter path to hash: as given, else from the model's lora_adapters table."""
+    if request.lora_name is None or request.lora_path is not None:
+        return request.lora_path
+    path = config.lora_adapters.get(request.lora_name)
+    if path is None:
+        known = ", ".join(sorted(config.lora_adapters)) or "none"
+        raise RequestError(
+            "lora_name",
+            f"unknown adapter {request.lora_name!r} for model {config.name!r} (known: {known});"
+            " send lora_path or add it to the model's lora_adapters",
+        )
+    return path
+
+
+class ScoreHandler:
+    """`POST /v1/score`; holds what the handler needs so the app wires it once."""
+
+    def __init__(
+        self,
+        service: IngestService,
+        settings: ApiSettings,
+        metrics: RequestMetrics,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self._service = service
+        self._settings = settings
+        self._metrics = metrics
+        self._executor = executor
+        self._loop_hashers = PromptHashers()
+        self._worker_hashers = PromptHashers()  # used only on the executor's single thread
+
+    async def handle(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        body = await request.read()
+        score_request = decode_score_request(body)
+        validate_score_request(score_request, max_tokens=self._settings.max_tokens)
+        runtime = resolve_model(self._service, score_request.model)
+        config = runtime.config
+        block_keys = await self._block_keys(config, score_request)
+        pod_scores = score_prefix(
+            runtime.index,
+            block_keys,
+            block_size=config.block_size,
+            tier_weights=self._settings.tier_weights,
+            unknown_tier_weight=self._settings.unknown_tier_weight,
+            pods=score_request.pods,
+        )
+        response = ScoreResponse(
+            model=config.name,
+            block_size=config.block_size,
+            num_blocks=len(block_keys),
+            scores=_best_first(pod_scores),
+        )
+        best = response.scores[0].matched_blocks if response.scores else 0
+        self._metrics.observe_score(started, best)
+        return web.Response(body=JSON_ENCODER.encode(response), content_type="application/json")
+
+    async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> list[int]:
+        if request.block_hashes is not None:
+            return request.block_hashes
+        assert request.token_ids is not None
+        lora_path = resolve_lora_path(config, request)
+        if len(request.token_ids) < self._settings.hash_in_executor_min_tokens:
+            return self._loop_hashers.block_keys(config, request, lora_path)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._worker_hashers.block_keys, config, request, lora_path
+        )
+
+
+def _best_first(pod_scores: Sequence[PodScore]) -> list[PodScoreOut]:
+    """Highest score first; ties by longer run, then pod id and rank so the order is stable."""
+    ranked = sorted(
+        (s for s in pod_scores if s.matched_blocks > 0),
+        key=lambda s: (-s.score, -s.matched_blocks, s.pod_id, s.dp_rank),
+    )
+    return [
+        PodScoreOut(
+            pod=s.pod_id,
+            dp_rank=s.dp_rank,
+            matched_blocks=s.matched_blocks,
+            matched_tokens=s.matched_tokens,
+            score=s.score,
+            by_tier=dict(s.by_tier),
+        )
+        for s in ranked
+    ]

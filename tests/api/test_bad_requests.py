@@ -1,0 +1,217 @@
+"""Nothing a client sends breaks the server: a table of bad requests -> 4xx naming the field, then a
+good request still scores (against a real server fed by a real engine stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
+from kvindex.api.config import ApiSettings
+from kvindex.hashing import BlockHasher
+from kvindex.indexer.ingest import IngestService
+from kvindex.indexer.model import ModelConfig
+
+BODY_LIMIT = 1024 * 1024
+TOKEN_LIMIT = 100_000
+MODELS = [
+    ModelConfig(name="m", block_size=16, hash_seed="0", lora_adapters={"sql-lora": "/adapters/sql-lora"}),
+    ModelConfig(name="m2", block_size=16, hash_seed="0"),
+]
+GOOD_TOKENS = list(range(100, 100 + 64))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
+    engine = new_engine("pod-a", "m")
+    service = start_service(MODELS, [engine])
+    settings = ApiSettings(host="127.0.0.1", port=0, max_body_bytes=BODY_LIMIT, max_tokens=TOKEN_LIMIT)
+    server = ServerThread(service, settings).start()
+    try:
+        keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(GOOD_TOKENS)
+        engine.store(keys, GOOD_TOKENS, block_size=16)
+        wait_until_ingested(service, [engine])
+        yield service, server, engine
+    finally:
+        server.stop()
+        service.stop()
+        engine.publisher.close()
+
+
+def j(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+# (id, raw body, expected status, a word the error must contain)
+BAD_REQUESTS: list[tuple[str, bytes, int, str]] = [
+    ("malformed json", b'{"model": "m", "token_ids": [1, 2', 400, "body"),
+    ("not json at all", b"\x00\xff garbage", 400, "body"),
+    ("empty body", b"", 400, "body"),
+    ("array body", j([1, 2, 3]), 400, "body"),
+    ("token_ids not a list", j({"model": "m", "token_ids": "1,2,3"}), 400, "token_ids"),
+    ("token id a string", j({"model": "m", "token_ids": [1, "2"]}), 400, "token_ids[1]"),
+    ("token id a float", j({"model": "m", "token_ids": [1.5]}), 400, "token_ids[0]"),
+    ("token id a bool", j({"model": "m", "token_ids": [True]}), 400, "token_ids[0]"),
+    ("token id null", j({"model": "m", "token_ids": [None]}), 400, "token_ids[0]"),
+    ("negative token id", j({"model": "m", "token_ids": [5, -1]}), 400, "token_ids[1]"),
+    ("token id 2**32", j({"model": "m", "token_ids": [2**32]}), 400, "token_ids[0]"),
+    ("huge token id", b'{"model": "m", "token_ids": [' + b"9" * 400 + b"]}", 400, "token_ids[0]"),
+    ("too many tokens", j({"model": "m", "token_ids": [1] * (TOKEN_LIMIT + 1)}), 400, "token_ids"),
+    ("empty prompt", j({"model": "m", "token_ids": []}), 400, "token_ids"),
+    ("neither tokens nor hashes", j({"model": "m"}), 400, "token_ids"),
+    ("both tokens and hashes", j({"model": "m", "token_ids": [1], "block_hashes": [1]}), 400, "token_ids"),
+    ("negative block hash", j({"model": "m", "block_hashes": [-1]}), 400, "block_hashes[0]"),
+    ("block hash 2**64", j({"model": "m", "block_hashes": [7, 2**64]}), 400, "block_hashes[1]"),
+    ("block hash a string", j({"model": "m", "block_hashes": ["ab"]}), 400, "block_hashes[0]"),
+    ("empty block hashes", j({"model": "m", "block_hashes": []}), 400, "block_hashes"),
+    ("model not a string", j({"model": 3, "token_ids": [1]}), 400, "model"),
+    ("unknown model", j({"model": "gpt-9", "token_ids": [1]}), 404, "model"),
+    ("model omitted with two models", j({"token_ids": [1]}), 400, "model"),
+    ("unknown lora", j({"model": "m", "token_ids": [1], "lora_name": "nope"}), 400, "lora_name"),
+    (
+        "lora on a model without table",
+        j({"model": "m2", "token_ids": [1], "lora_name": "sql-lora"}),
+        400,
+        "lora_name",
+    ),
+    ("lora_path without name", j({"model": "m", "token_ids": [1], "lora_path": "/x"}), 400, "lora_path"),
+    (
+        "lora with block hashes",
+        j({"model": "m", "block_hashes": [1], "lora_name": "sql-lora"}),
+        400,
+        "lora_name",
+    ),
+    ("cache_salt not a string", j({"model": "m", "token_ids": [1], "cache_salt": 5}), 400, "cache_salt"),
+    ("mm not a list", j({"model": "m", "token_ids": [1], "mm": {"identifier": "x"}}), 400, "mm"),
+    (
+        "mm item missing offset",
+        j({"model": "m", "token_ids": [1], "mm": [{"identifier": "x", "length": 1}]}),
+        400,
+        "mm[0]",
+    ),
+    (
+        "mm unknown key",
+        j(
+            {
+                "model": "m",
+                "token_ids": [1] * 4,
+                "mm": [{"identifier": "x", "offset": 0, "length": 1, "colour": 1}],
+            }
+        ),
+        400,
+        "mm[0]",
+    ),
+    (
+        "mm negative offset",
+        j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "x", "offset": -1, "length": 1}]}),
+        400,
+        "mm[0].offset",
+    ),
+    (
+        "mm zero length",
+        j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "x", "offset": 0, "length": 0}]}),
+        400,
+        "mm[0].length",
+    ),
+    (
+        "mm past the prompt",
+        j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "x", "offset": 2, "length": 3}]}),
+        400,
+        "mm[0]",
+    ),
+    (
+        "mm empty identifier",
+        j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "", "offset": 0, "length": 1}]}),
+        400,
+        "mm[0].identifier",
+    ),
+    ("pods not a list", j({"model": "m", "token_ids": [1], "pods": "pod-a"}), 400, "pods"),
+    ("pods empty", j({"model": "m", "token_ids": [1], "pods": []}), 400, "pods"),
+    ("pod id not a string", j({"model": "m", "token_ids": [1], "pods": [1]}), 400, "pods[0]"),
+]
+
+
+async def post_raw(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+            return response.status, await response.json()
+
+
+def assert_good_request_scores(server: ServerThread) -> None:
+    status, payload = asyncio.run(
+        post_raw(server.url + "/v1/score", j({"model": "m", "token_ids": GOOD_TOKENS}))
+    )
+    assert status == 200, payload
+    assert [(s["pod"], s["matched_blocks"]) for s in payload["scores"]] == [("pod-a", 4)]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "word"), [row[1:] for row in BAD_REQUESTS], ids=[row[0] for row in BAD_REQUESTS]
+)
+def test_bad_request_names_the_field(
+    server: tuple[IngestService, ServerThread, Engine], body: bytes, status: int, word: str
+) -> None:
+    _, http, _ = server
+    got_status, payload = asyncio.run(post_raw(http.url + "/v1/score", body))
+    assert got_status == status, payload
+    assert set(payload) == {"error"}
+    assert payload["error"].startswith(word.split("[")[0]), payload
+    assert word in payload["error"], payload
+    assert "Traceback" not in payload["error"]
+
+
+async def post_oversized(url: str, size: int) -> tuple[int, dict[str, Any] | None]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        body = b'{"model": "m", "token_ids": [' + b"1," * (size // 2) + b"1]}"
+        try:
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+                return response.status, await response.json()
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            # The server may answer 413 and close before the client finished sending.
+            return -1, None
+
+
+def test_ten_megabyte_body_is_refused(server: tuple[IngestService, ServerThread, Engine]) -> None:
+    _, http, _ = server
+    status, payload = asyncio.run(post_oversized(http.url + "/v1/score", 10 * 1024 * 1024))
+    assert status in (413, -1)
+    if status == 413:
+        assert payload is not None and payload["error"].startswith("body:")
+        assert str(BODY_LIMIT) in payload["error"]
+    assert_good_request_scores(http)
+
+
+async def request(method: str, url: str) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.request(method, url) as response:
+            return response.status, await response.json()
+
+
+def test_unknown_routes_and_methods_are_json_errors(
+    server: tuple[IngestService, ServerThread, Engine],
+) -> None:
+    _, http, _ = server
+    status, payload = asyncio.run(request("GET", http.url + "/v2/nothing"))
+    assert status == 404 and payload["error"].startswith("path:")
+    status, payload = asyncio.run(request("GET", http.url + "/v1/score"))
+    assert status == 405 and payload["error"].startswith("method:")
+
+
+def test_server_still_serves_and_ingests_after_every_bad_request(
+    server: tuple[IngestService, ServerThread, Engine],
+) -> None:
+    service, http, engine = server
+    for _, body, _, _ in BAD_REQUESTS:
+        asyncio.run(post_raw(http.url + "/v1/score", body))
+    assert_good_request_scores(http)
+    # Ingest is undisturbed: a new batch still lands.
+    more = list(range(5000, 5000 + 32))
+    keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(more)
+    engine.store(keys, more, block_size=16)
+    wait_until_ingested(service, [engine])
+    status, payload = asyncio.run(post_raw(http.url + "/v1/score", j({"model": "m", "token_ids": more})))
+    assert status == 200 and payload["scores"][0]["matched_blocks"] == 2
