@@ -114,7 +114,10 @@ class _Fleet:
         applied = {status.pod: status.last_seq for status in self.service.pod_statuses()}
         for pod_id, engine in zip(self.pod_ids, self.engines, strict=True):
             published = _last_published_seq(engine)
-            if published is not None and (applied.get(pod_id) is None or applied[pod_id] < published):
+            if published is None:
+                continue
+            last_applied = applied.get(pod_id)
+            if last_applied is None or last_applied < published:
                 return False
         return True
 
