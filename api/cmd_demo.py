@@ -81,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
     except demo_fleet.DemoError as exc:
         print(f"kvindex demo: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a demo ends with one sentence, not a traceback
+        print(
+            f"kvindex demo: the demo stopped on an unexpected error: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
     ideal = shareable_token_fraction(trace[: max(r.requests for r in results)], block_size)
     if args.json:
         print(json.dumps(_json_result(results, options, block_size, ideal), indent=2))
