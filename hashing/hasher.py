@@ -47,7 +47,9 @@ def validate_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
 
 def _prepare(token_ids: Sequence[int]) -> tuple[tuple[int, ...], TokenKey, int]:
     """(validated token ids, their memo key, key items per token)."""
-    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (list, tuple)):
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise HashingError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
+    if not isinstance(token_ids, (list, tuple)):
         try:
             token_ids = list(token_ids)
         except TypeError:

@@ -49,7 +49,9 @@ def test_case(case_id: str, memo_size: int) -> None:
     expected = case["expected"]
     tokens = _VECTORS["prompts"][case["prompt"]]
     keywords = _keywords(case)
-    hasher = BlockHasher(algo=case["algo"], block_size=case["block_size"], seed=case["seed"], memo_size=memo_size)
+    hasher = BlockHasher(
+        algo=case["algo"], block_size=case["block_size"], seed=case["seed"], memo_size=memo_size
+    )
     assert hasher.root.hex() == expected["root_hex"]
     for _ in range(2):  # the second pass is served by the memo when it is on
         assert [d.hex() for d in hasher.block_hashes(tokens, **keywords)] == expected["block_hashes_hex"]
@@ -72,7 +74,9 @@ def test_raw_extra_key_cases_event_keys_match_blockpool_shape() -> None:
         checked += 1
         hasher = BlockHasher(algo=case["algo"], block_size=case["block_size"], seed=case["seed"], memo_size=0)
         tokens = _VECTORS["prompts"][case["prompt"]]
-        assert _jsonable(hasher.event_extra_keys(tokens, **_keywords(case))) == raw["event_extra_keys"], raw["id"]
+        assert _jsonable(hasher.event_extra_keys(tokens, **_keywords(case))) == raw["event_extra_keys"], raw[
+            "id"
+        ]
     assert checked == 68  # every raw case that the curated file also carries
 
 

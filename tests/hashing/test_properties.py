@@ -1,0 +1,307 @@
+"""Property tests: BlockHasher (fast CBOR encoder, memo) against a reference written from vLLM's rules.
+
+The reference is the plain formula vLLM runs per block — H(pickle.dumps / cbor2.dumps(canonical) of
+(parent or NONE_HASH, tuple(block tokens), extra keys)) — with extra keys built by brute force from the
+rules in spec §4.4 (every MM item overlapping the block, offset relative to the block start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import threading
+from typing import Any
+
+import cbor2
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError, MMItem, event_hash
+from kvindex.hashing.cbor_fast import array_head, encode_tokens
+
+EDGE_INTS = [
+    0,
+    1,
+    23,
+    24,
+    255,
+    256,
+    65535,
+    65536,
+    2**18 - 1,
+    2**18,
+    2**32 - 1,
+    2**32,
+    2**64 - 1,
+    2**64,
+    2**70,
+]
+token_id = st.one_of(st.sampled_from(EDGE_INTS), st.integers(0, 2**18), st.integers(0, 2**80))
+token_lists = st.lists(token_id, max_size=120)
+algos = st.sampled_from(HASH_ALGOS)
+block_sizes = st.sampled_from([1, 2, 3, 16, 23, 24, 25])
+fast = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference_hash(algo: str, obj: Any) -> bytes:
+    data = cbor2.dumps(obj, canonical=True) if algo.endswith("_cbor") else pickle.dumps(obj, protocol=5)
+    return hashlib.sha256(data).digest() if algo.startswith("sha256") else xxhash.xxh3_128_digest(data)
+
+
+def reference_extra_keys(
+    start: int,
+    end: int,
+    lora: tuple[str, str] | None,
+    mm: list[tuple[str, int, int]],
+    salt: str | None,
+    digest: bytes | None,
+) -> tuple[Any, ...] | None:
+    keys: list[Any] = []
+    if lora is not None:
+        keys.append(("lora", *lora))
+    keys += [
+        ("mm", ident, offset - start)
+        for ident, offset, length in mm
+        if offset < end and offset + length > start
+    ]
+    if start == 0 and salt:
+        keys.append(("cache_salt", salt))
+    if digest is not None:
+        keys.append(("prompt_embeds", digest))
+    return tuple(keys) or None
+
+
+def reference_chain(
+    algo: str,
+    seed: str,
+    block_size: int,
+    tokens: list[int],
+    lora: tuple[str, str] | None = None,
+    mm: list[tuple[str, int, int]] | None = None,
+    salt: str | None = None,
+    digests: list[bytes] | None = None,
+    lookahead: int = 0,
+) -> list[bytes]:
+    root = reference_hash(algo, seed)
+    parent = None
+    hashes = []
+    for index in range((len(tokens) - lookahead) // block_size if len(tokens) >= lookahead else 0):
+        start, end = index * block_size, (index + 1) * block_size
+        extra = reference_extra_keys(
+            start, end + lookahead, lora, mm or [], salt, None if digests is None else digests[index]
+        )
+        if lookahead:
+            extra = (extra, *tokens[end : end + lookahead])
+        parent = reference_hash(algo, (parent or root, tuple(tokens[start:end]), extra))
+        hashes.append(parent)
+    return hashes
+
+
+@fast
+@given(tokens=token_lists, algo=algos, block_size=block_sizes, seed=st.sampled_from(["0", "42", "abc"]))
+def test_equals_the_reference_formula(tokens: list[int], algo: str, block_size: int, seed: str) -> None:
+    expected = reference_chain(algo, seed, block_size, tokens)
+    hasher = BlockHasher(algo=algo, block_size=block_size, seed=seed)
+    assert hasher.block_hashes(tokens) == expected
+    assert hasher.block_hashes(tuple(tokens)) == expected  # second call: served by the memo
+    assert hasher.event_hashes(tokens) == [int.from_bytes(d, "big") & (2**64 - 1) for d in expected]
+    assert (
+        BlockHasher(algo=algo, block_size=block_size, seed=seed, memo_size=0).block_hashes(tokens) == expected
+    )
+
+
+@fast
+@given(tokens=token_lists)
+def test_fast_cbor_token_encoding_is_cbor2s(tokens: list[int]) -> None:
+    assert array_head(len(tokens)) + b"".join(encode_tokens(tuple(tokens))) == cbor2.dumps(
+        tokens, canonical=True
+    )
+    for token in tokens:
+        assert encode_tokens((token,)) == (cbor2.dumps(token, canonical=True),)
+
+
+@st.composite
+def mm_items(draw: st.DrawFn, length: int) -> list[tuple[str, int, int]]:
+    """Sorted, non-overlapping placeholders inside [0, length + 8)."""
+    items = []
+    position = draw(st.integers(0, 6))
+    while position < length + 8 and draw(st.booleans()):
+        size = draw(st.integers(1, 40))
+        items.append((draw(st.sampled_from(["img-a", "img-b", "lora:aud"])), position, size))
+        position += size + draw(st.integers(0, 20))
+    return items
+
+
+@fast
+@given(
+    data=st.data(),
+    algo=algos,
+    block_size=st.sampled_from([1, 4, 16]),
+    lookahead=st.sampled_from([0, 0, 1, 2]),
+)
+def test_extra_keys_equal_the_reference(
+    data: st.DataObject, algo: str, block_size: int, lookahead: int
+) -> None:
+    tokens = data.draw(st.lists(st.integers(0, 200_000), max_size=90))
+    lora = data.draw(st.one_of(st.none(), st.tuples(st.text(max_size=5), st.text(max_size=8))))
+    salt = data.draw(st.one_of(st.none(), st.text(max_size=6)))
+    mm = data.draw(mm_items(len(tokens)))
+    num_blocks = max(0, (len(tokens) - lookahead) // block_size)
+    digests = data.draw(
+        st.one_of(
+            st.none(), st.lists(st.binary(min_size=32, max_size=32), min_size=num_blocks, max_size=num_blocks)
+        )
+    )
+    expected = reference_chain(algo, "7", block_size, tokens, lora, mm, salt, digests, lookahead)
+    keywords: dict[str, Any] = {
+        "cache_salt": salt,
+        "mm": [MMItem(i, o, n) for i, o, n in mm],
+        "prompt_embeds_digests": digests,
+        "lookahead": lookahead,
+    }
+    if lora is not None:
+        keywords.update(lora_name=lora[0], lora_path=lora[1])
+    hasher = BlockHasher(algo=algo, block_size=block_size, seed="7")
+    assert hasher.block_hashes(tokens, **keywords) == expected
+    assert hasher.block_hashes(tokens, **keywords) == expected
+    published = hasher.event_extra_keys(tokens, **keywords)
+    assert len(published) == len(expected)
+    for index, keys in enumerate(published):
+        start, end = index * block_size, (index + 1) * block_size + lookahead
+        tagged = reference_extra_keys(start, end, lora, mm, salt, None if digests is None else digests[index])
+        assert keys == (None if tagged is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in tagged))
+
+
+@fast
+@given(tokens=st.lists(st.integers(0, 150_000), min_size=1, max_size=100), algo=algos, data=st.data())
+def test_one_changed_token_changes_its_block_and_every_later_one_only(
+    tokens: list[int], algo: str, data: st.DataObject
+) -> None:
+    block_size = data.draw(st.sampled_from([1, 3, 16]))
+    position = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[position] = data.draw(st.integers(0, 150_000).filter(lambda t: t != tokens[position]))
+    hasher = BlockHasher(algo=algo, block_size=block_size, seed="1")
+    before, after = hasher.block_hashes(tokens), hasher.block_hashes(changed)
+    block = position // block_size
+    assert before[:block] == after[:block]
+    assert all(x != y for x, y in zip(before[block:], after[block:], strict=True))
+
+
+@fast
+@given(
+    turns=st.lists(st.lists(st.integers(0, 150_000), max_size=70), min_size=1, max_size=8),
+    algo=algos,
+    memo_size=st.sampled_from([1, 17, 40, 4096]),
+)
+def test_memo_on_and_off_agree_on_growing_conversations(
+    turns: list[list[int]], algo: str, memo_size: int
+) -> None:
+    """Shared prefixes, growing prompts, forks and tiny memos that evict constantly never change a hash."""
+    with_memo = BlockHasher(algo=algo, block_size=2, seed="0", memo_size=memo_size)
+    without = BlockHasher(algo=algo, block_size=2, seed="0", memo_size=0)
+    prompt: list[int] = list(range(300))  # a shared system prompt spanning several memo segments
+    for turn in turns:
+        prompt = prompt + turn
+        fork = prompt[:-1] + [150_001]
+        for tokens in (prompt, fork, prompt):
+            assert with_memo.block_hashes(tokens) == without.block_hashes(tokens)
+            assert with_memo.event_hashes(tokens) == without.event_hashes(tokens)
+
+
+def test_memo_is_safe_across_threads() -> None:
+    shared = BlockHasher(algo="sha256_cbor", block_size=4, seed="0", memo_size=64)
+    prompts = [list(range(k, k + 600)) for k in range(0, 40, 4)] + [
+        list(range(600 + k)) for k in range(0, 400, 37)
+    ]
+    expected = [
+        BlockHasher(algo="sha256_cbor", block_size=4, seed="0", memo_size=0).block_hashes(p) for p in prompts
+    ]
+    failures: list[str] = []
+
+    def worker(offset: int) -> None:
+        for round_ in range(4):
+            for index in range(len(prompts)):
+                pick = (index + offset + round_) % len(prompts)
+                if shared.block_hashes(prompts[pick]) != expected[pick]:
+                    failures.append(f"prompt {pick}")
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "needle"),
+    [
+        ([1, True, 3], "bool"),
+        ([1, 2.0], "float"),
+        (["1"], "str"),
+        ([None], "null"),
+        ([-1], "non-negative"),
+        ([2**64, -5], "non-negative"),
+        ("123", "list of integers"),
+        (5, "list"),
+    ],
+)
+def test_bad_tokens_raise_hashing_error(tokens: Any, needle: str) -> None:
+    hasher = BlockHasher(algo="sha256", block_size=2, seed="0")
+    hasher.block_hashes([1, 2, 3, 4])  # a warm memo must not let bad input through either
+    with pytest.raises(HashingError, match=needle):
+        hasher.block_hashes(tokens)
+    with pytest.raises(HashingError):
+        hasher.event_hashes(tokens)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"algo": "sha1"}, "unknown hash algorithm"),
+        ({"algo": "sha256", "block_size": 0}, "block_size"),
+        ({"algo": "sha256", "block_size": -16}, "block_size"),
+        ({"algo": "sha256", "block_size": True}, "block_size"),
+        ({"algo": "sha256", "block_size": 16.0}, "block_size"),
+        ({"algo": "xxhash", "seed": None}, "PYTHONHASHSEED"),
+        ({"algo": "xxhash_cbor", "seed": None}, "PYTHONHASHSEED"),
+        ({"algo": "sha256", "seed": 0}, "string"),
+        ({"algo": "sha256", "memo_size": -1}, "memo_size"),
+    ],
+)
+def test_bad_construction_raises_hashing_error(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(HashingError, match=needle):
+        BlockHasher(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"mm": [MMItem("a", -1, 3)]}, "offset"),
+        ({"mm": [MMItem("a", 0, 0)]}, "length"),
+        ({"mm": [MMItem("", 0, 2)]}, "identifier"),
+        ({"mm": [MMItem("a", 4, 2), MMItem("b", 1, 2)]}, "sorted"),
+        ({"mm": [("a", 1, 2)]}, "MMItem"),
+        ({"lora_name": "x"}, "lora_path"),
+        ({"lora_path": "/p"}, "lora_name"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"prompt_embeds_digests": [b"x"]}, "digests"),
+        ({"prompt_embeds_digests": ["ab", "cd"]}, "bytes"),
+        ({"lookahead": -1}, "lookahead"),
+    ],
+)
+def test_bad_extra_inputs_raise_hashing_error(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(HashingError, match=needle):
+        BlockHasher(algo="sha256", block_size=2, seed="0").block_hashes([1, 2, 3, 4], **kwargs)
+
+
+def test_hashing_error_is_a_value_error() -> None:
+    assert issubclass(HashingError, ValueError)
+
+
+def test_event_hash_is_the_last_eight_bytes_big_endian() -> None:
+    digest = bytes(range(32))
+    assert event_hash(digest) == int.from_bytes(digest[-8:], "big")
