@@ -78,7 +78,10 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
         assert status_of(service, rank0).last_seq == 9 and status_of(service, rank1).last_seq == 19
         assert status_of(service, rank1).model == "m"
         # pod-b has no replay socket (the template reaches nothing there): what it received is indexed.
-        wait_for(lambda: status_of(service, other).model == "org/model@v2", what="model with '@'")
+        wait_for(
+            lambda: any(s.pod == "pod-b" and s.model == "org/model@v2" for s in service.pod_statuses()),
+            what="model with '@'",
+        )
         wait_for(service.ready, what="ready")
 
         rank0.restart()

@@ -103,8 +103,8 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
             assert service.counters().history_lost >= 1
             engine.clear()  # the engine's whole cache is known again
             engine.store()
-            wait_for(lambda: status_of(service, engine).state == "live", what="live after AllBlocksCleared")
-            assert index_matches(index, [engine])
+            wait_for(lambda: index_matches(index, [engine]), what="cleared and re-stored")
+            assert status_of(service, engine).state == "live"  # whole again after AllBlocksCleared
     finally:
         service.stop()
         blocker.close()

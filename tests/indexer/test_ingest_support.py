@@ -107,13 +107,21 @@ class Engine:
         endpoint, replay = self.endpoint, self.replay_endpoint
         self.publisher.close()
         self.held.clear()
-        self.publisher = EventPublisher(
-            endpoint,
-            replay_endpoint=replay,
-            topic=self.topic,
-            buffer_steps=self.buffer_steps,
-            dp_rank=0,  # the addresses are already the effective (offset) ones
-        )
+        # ZMQ releases a closed socket's port asynchronously: retry the bind until it is free.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.publisher = EventPublisher(
+                    endpoint,
+                    replay_endpoint=replay,
+                    topic=self.topic,
+                    buffer_steps=self.buffer_steps,
+                    dp_rank=0,  # the addresses are already the effective (offset) ones
+                )
+                break
+            except zmq.ZMQError as exc:
+                assert exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline, exc
+                time.sleep(0.02)  # ok
         self.publisher.dp_rank = self.dp_rank
 
     def close(self) -> None:

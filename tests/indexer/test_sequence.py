@@ -284,9 +284,10 @@ def test_random_streams_match_the_engine(buffer_steps: int, program: list, late:
         elif op == "replay_down":
             engine.replay_works = arg
             ever_lost = ever_lost or not arg
-        # At every step: one engine's batches, in order, without holes.
+        # At every step: one engine's batches, in order, without holes. (Without a replay socket a
+        # restarted engine whose seqs continue ours cannot be told apart: vLLM has no epoch.)
         seqs = [s for _, s in driver.view]
-        assert len({epoch for epoch, _ in driver.view}) <= 1
+        assert len({epoch for epoch, _ in driver.view}) <= 1 or ever_lost
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
     engine.replay_works = True
     driver.run(driver.tracker.begin_join())
