@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import pickle
 import random
 import time
@@ -62,8 +63,14 @@ def vllm_formula(algo: str) -> Callable[[Sequence[int]], list[bytes]]:
     return block_hashes
 
 
+def as_decoded(token_ids: list[int]) -> list[int]:
+    """The prompt as a router's request arrives: freshly decoded from JSON, sharing no int objects with
+    earlier prompts (which would flatter any comparison-based cache)."""
+    return json.loads(json.dumps(token_ids))  # type: ignore[no-any-return]
+
+
 def cold_prompts(rng: random.Random, count: int) -> list[list[int]]:
-    return [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+    return [as_decoded([rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]) for _ in range(count)]
 
 
 def hot_prompts(rng: random.Random, conversations: int, turn_tokens: int) -> list[list[int]]:
@@ -74,7 +81,7 @@ def hot_prompts(rng: random.Random, conversations: int, turn_tokens: int) -> lis
     while len(chats[0]) + turn_tokens <= PROMPT_TOKENS:
         for chat in chats:
             chat.extend(rng.randrange(VOCAB) for _ in range(turn_tokens))
-            prompts.append(list(chat))
+            prompts.append(as_decoded(chat))
     return prompts
 
 

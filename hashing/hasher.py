@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-from array import array
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import xxhash
@@ -20,12 +19,12 @@ from kvindex.hashing import cbor_fast
 from kvindex.hashing.algorithms import HashAlgo, event_hash, get_algo, resolve_seed, root_hash
 from kvindex.hashing.errors import HashingError
 from kvindex.hashing.extra_keys import ExtraKeys, MMItem, make_request_extras, per_block_keys, untag
-from kvindex.hashing.memo import DigestMemo, TokenKey
+from kvindex.hashing.memo import DigestMemo
 
 # Digests remembered per BlockHasher: ~4 MB, enough for a few hundred 8k-token conversations.
 DEFAULT_MEMO_SIZE: Final = 32768
 
-_TokenIds = tuple[int, ...]
+_TokenTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 
 try:
     # CPython's built-in SHA-256: same digest as hashlib's OpenSSL one, ~20% cheaper per call on the
@@ -40,36 +39,26 @@ def validate_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
 
     Bools, floats and strings are refused even though pickle/CBOR would serialise them: they serialise
     differently from the int an engine saw. Negative ids are refused: no vocabulary has them, so no engine
-    ever cached them.
+    ever cached them. Int subclasses (IntEnum) become plain ints.
     """
-    return _prepare(token_ids)[0]
+    return _validated_from(_as_sequence(token_ids), 0)
 
 
-def _prepare(token_ids: Sequence[int]) -> tuple[tuple[int, ...], TokenKey, int]:
-    """(validated token ids, their memo key, key items per token)."""
-    if isinstance(token_ids, (str, bytes, bytearray)):
+def _as_sequence(token_ids: Sequence[int]) -> Sequence[Any]:
+    if isinstance(token_ids, (list, tuple)):
+        return token_ids
+    if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
         raise HashingError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
-    if not isinstance(token_ids, (list, tuple)):
-        try:
-            token_ids = list(token_ids)
-        except TypeError:
-            raise HashingError(
-                f"token_ids must be a list of integers, got {type(token_ids).__name__}"
-            ) from None
+    return list(token_ids)
+
+
+def _validated_from(token_ids: Sequence[Any], start: int) -> tuple[int, ...]:
+    """token_ids[start:] as validated ints (one msgspec pass); the memo vouched for token_ids[:start]."""
     try:
-        # Exact ints only (bool is refused here); this is also the tuple the preimages slice from.
-        tokens = msgspec.convert(token_ids, _TokenIds)
+        return msgspec.convert(token_ids[start:] if start else token_ids, _TokenTuple)
     except msgspec.ValidationError as exc:
-        raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
-    try:
-        # One C pass: refuses negatives and gives a memo key 4 bytes a token (bytes hash/compare ~10x
-        # cheaper than an int tuple's).
-        return tokens, array("I", tokens).tobytes(), 4
-    except OverflowError:
-        pass
-    if any(token < 0 for token in tokens):
-        raise HashingError("token_ids must be non-negative integers (got a negative id)")
-    return tokens, tokens, 1
+        where = f", counting from index {start}" if start else ""
+        raise HashingError(f"token_ids must be non-negative integers ({exc}{where})") from None
 
 
 def _event_hashes(digests: list[bytes], digest_size: int) -> list[int]:
@@ -197,7 +186,7 @@ class BlockHasher:
         prompt_embeds_digests: Sequence[bytes] | None,
         lookahead: int,
     ) -> list[bytes]:
-        tokens, token_key, unit = _prepare(token_ids)
+        raw = _as_sequence(token_ids)
         request_extras = make_request_extras(
             lora_name=lora_name,
             lora_path=lora_path,
@@ -207,27 +196,28 @@ class BlockHasher:
             lookahead=lookahead,
         )
         block_size = self._block_size
-        num_blocks = max(0, (len(tokens) - request_extras.lookahead) // block_size)
+        num_blocks = max(0, (len(raw) - request_extras.lookahead) // block_size)
         extras: list[ExtraKeys] | None = None
         if not request_extras.is_plain:
-            extras, _ = per_block_keys(request_extras, tokens, block_size, num_blocks)
+            # Extra keys read tokens (lookahead): validate every id first on this rarer path.
+            raw = _validated_from(raw, 0)
+            extras, _ = per_block_keys(request_extras, raw, block_size, num_blocks)
         digests: list[bytes] = []
         memo = self._memo
         missed_segments: list[int] = []
         if memo is not None:
-            missed_segments = memo.resolve(
-                self._root, token_key, unit, block_size, num_blocks, extras, digests
-            )
+            missed_segments = memo.resolve(self._root, raw, block_size, num_blocks, extras, digests)
         first_new = len(digests)
+        # Ids the memo matched are byte-for-byte ids validated when they were recorded; everything else
+        # (new blocks, the partial tail) is validated here, so bad input fails with or without the memo.
+        rest = _validated_from(raw, first_new * block_size)
         if first_new < num_blocks:
             if self._algo.uses_cbor:
-                self._hash_cbor(tokens, extras, first_new, num_blocks, digests)
+                self._hash_cbor(rest, extras, first_new, num_blocks, digests)
             else:
-                self._hash_pickle(tokens, extras, first_new, num_blocks, digests)
+                self._hash_pickle(rest, extras, first_new, num_blocks, digests)
             if memo is not None:
-                memo.record(
-                    self._root, token_key, unit, block_size, extras, digests, first_new, missed_segments
-                )
+                memo.record(self._root, raw, block_size, extras, digests, first_new, missed_segments)
         return digests
 
     def _hash_pickle(
@@ -238,14 +228,15 @@ class BlockHasher:
         stop: int,
         digests: list[bytes],
     ) -> None:
-        """Append blocks first..stop-1 to `digests` (which holds blocks 0..first-1)."""
+        """Append blocks first..stop-1 to `digests` (which holds blocks 0..first-1); `tokens` starts at
+        block `first`."""
         # pickle.dumps is C already; what is saved here is vLLM's per-block Python calls and list copies.
         dumps = pickle.dumps
         protocol = pickle.HIGHEST_PROTOCOL
         block_size = self._block_size
         parent = digests[-1] if digests else self._root
         append = digests.append
-        start = first * block_size
+        start = 0
         if self._algo.digest_size == 32:
             sha256 = _fast_sha256
             for index in range(first, stop):
@@ -269,9 +260,10 @@ class BlockHasher:
         stop: int,
         digests: list[bytes],
     ) -> None:
-        """Append blocks first..stop-1 to `digests`, building each canonical-CBOR preimage by hand."""
+        """Append blocks first..stop-1 to `digests`, building each canonical-CBOR preimage by hand;
+        `tokens` starts at block `first`."""
         block_size = self._block_size
-        token_items = cbor_fast.encode_tokens(tokens[first * block_size : stop * block_size])
+        token_items = cbor_fast.encode_tokens(tokens[: (stop - first) * block_size])
         digest = self._algo.digest
         sha256 = _fast_sha256 if self._algo.digest_size == 32 else None
         head = self._cbor_parent_head

@@ -2,7 +2,7 @@
 
 Read path, inside BlockHasher: before hashing a prompt's blocks, the longest already-known prefix of the
 chain is looked up here; only the rest is hashed, then recorded. Two levels keep the hot path cheap:
-whole *segments* of SEGMENT_BLOCKS aligned blocks (one dict lookup per 256 tokens at block size 16) and
+whole *segments* of SEGMENT_BLOCKS aligned blocks (one lookup per 256 tokens at block size 16) and
 single blocks for the ragged tail a growing conversation leaves behind. Both are LRU (OrderedDict, C).
 """
 
@@ -13,27 +13,44 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+import msgspec
 from kvindex.hashing.extra_keys import ExtraKeys
 
 SEGMENT_BLOCKS: Final = 16
 
-# What the memo keys a run of tokens by: their uint32 bytes (4 bytes a token: cheap to slice, hash and
-# compare) or, when an id does not fit, the int tuple itself (1 item a token). `unit` says which.
-TokenKey = bytes | tuple[int, ...]
+_pack = msgspec.msgpack.encode
+
+
+def token_key(token_ids: Sequence[Any]) -> bytes | None:
+    """What the memo keys a run of tokens by: its msgpack bytes (one C call, ~3 bytes a token, cheap to
+    hash and compare), or None if it cannot be encoded (ids >= 2**64, foreign objects).
+
+    msgpack is type-exact and self-delimiting: `true`, `1.0` and `1` encode differently, so a key equal to
+    one recorded from validated ints proves the run *is* those ints. That lets the hit path skip
+    validation; whatever misses is validated before it is hashed. (Comparing int tuples instead costs
+    more: prompts decoded from JSON never share int objects, so every element is compared by value.)
+    """
+    try:
+        return _pack(token_ids)
+    except (TypeError, OverflowError, ValueError):
+        return None
 
 
 class DigestMemo:
     """LRU memo: (parent digest, tokens, extra keys) -> digest(s); the parent pins the whole prefix.
 
-    `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to share between
-    threads: every read-modify of the dicts happens under one lock, never held while hashing.
+    Token ids need not be validated: only runs whose key equals one recorded from validated ids can hit.
+    `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to
+    share between threads: every read-modify of the dicts happens under one lock, never held while hashing.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
-        self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, ...]] = OrderedDict()
+        self._segments: OrderedDict[tuple[Any, ...], tuple[tuple[int, ...], tuple[bytes, ...]]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -44,8 +61,7 @@ class DigestMemo:
     def resolve(
         self,
         root: bytes,
-        token_key: TokenKey,
-        unit: int,
+        token_ids: Sequence[Any],
         block_size: int,
         num_blocks: int,
         extras: Sequence[ExtraKeys] | None,
@@ -57,8 +73,7 @@ class DigestMemo:
         their blocks are known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
         """
         seg = SEGMENT_BLOCKS
-        block_width = block_size * unit
-        seg_width = seg * block_width
+        seg_width = seg * block_size
         full_end = num_blocks - num_blocks % seg
         missed_segments: list[int] = []
         parent = root
@@ -66,11 +81,11 @@ class DigestMemo:
         with self._lock:
             segments, blocks = self._segments, self._blocks
             while index < num_blocks:
-                start = index * block_width
+                start = index * block_size
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        token_key[start : start + seg_width],
+                        token_key(token_ids[start : start + seg_width]),
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = segments.get(seg_key)
@@ -83,7 +98,7 @@ class DigestMemo:
                     missed_segments.append(index)
                 block_key = (
                     parent,
-                    token_key[start : start + block_width],
+                    token_key(token_ids[start : start + block_size]),
                     None if extras is None else extras[index],
                 )
                 hit = blocks.get(block_key)
@@ -98,8 +113,7 @@ class DigestMemo:
     def record(
         self,
         root: bytes,
-        token_key: TokenKey,
-        unit: int,
+        token_ids: Sequence[Any],
         block_size: int,
         extras: Sequence[ExtraKeys] | None,
         digests: Sequence[bytes],
@@ -112,7 +126,7 @@ class DigestMemo:
         of the ragged tail go to the block level, where the next, longer turn will find them.
         """
         seg = SEGMENT_BLOCKS
-        block_width = block_size * unit
+        seg_width = seg * block_size
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
@@ -120,29 +134,32 @@ class DigestMemo:
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries = []
         for index in starts:
-            start = index * block_width
+            start = index * block_size
             key = (
                 root if index == 0 else digests[index - 1],
-                token_key[start : start + seg * block_width],
+                token_key(token_ids[start : start + seg_width]),
                 None if extras is None else tuple(extras[index : index + seg]),
             )
             seg_entries.append((key, tuple(digests[index : index + seg])))
         block_entries = []
         for index in range(max(first_new, full_end), num_blocks):
-            start = index * block_width
+            start = index * block_size
             key = (
                 root if index == 0 else digests[index - 1],
-                token_key[start : start + block_width],
+                token_key(token_ids[start : start + block_size]),
                 None if extras is None else extras[index],
             )
             block_entries.append((key, digests[index]))
         with self._lock:
             segments, blocks = self._segments, self._blocks
             for seg_key, seg_digests in seg_entries:
-                segments[seg_key] = seg_digests
+                if seg_key[1] is not None:
+                    segments[seg_key] = seg_digests
+                    segments.move_to_end(seg_key)
             while len(segments) > self._segment_capacity:
                 segments.popitem(last=False)
             for block_key, digest in block_entries:
-                blocks[block_key] = digest
+                if block_key[1] is not None:
+                    blocks[block_key] = digest
             while len(blocks) > self._block_capacity:
                 blocks.popitem(last=False)
