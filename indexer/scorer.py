@@ -1,0 +1,114 @@
+"""Stage 4 of the read path: turn an index lookup into per-pod longest-prefix scores.
+
+Pure policy over the index's mechanism: one `lookup_ids` call, then arithmetic over the runs of identical
+holder sets (a shared prefix is usually held by the same pods block after block, so this is cheap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
+
+import msgspec
+from kvindex.indexer.events import TIER_CPU, TIER_GPU, PodRef
+from kvindex.indexer.index import KVIndex
+
+# A block on GPU is reusable at once; CPU needs a copy back first. Tiers not named here (STORAGE, custom
+# connector tiers) get `unknown_tier_weight`: explicitly low, still better than recomputing.
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({TIER_GPU: 1.0, TIER_CPU: 0.8})
+DEFAULT_UNKNOWN_TIER_WEIGHT = 0.1
+
+
+class PodScore(msgspec.Struct, frozen=True):
+    """How much of a prompt's prefix one pod (dp rank) holds."""
+
+    pod_id: str
+    dp_rank: int
+    matched_blocks: int  # longest run of leading blocks held on any tier
+    matched_tokens: int  # matched_blocks * block_size
+    score: float  # sum over that run of each block's best tier weight
+    by_tier: dict[str, int]  # per tier, the longest leading run held on that tier alone (tiers with > 0)
+
+
+def score_prefix(
+    index: KVIndex,
+    block_keys: Sequence[int],
+    *,
+    block_size: int,
+    tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+    unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT,
+    pods: Collection[str] | None = None,
+) -> list[PodScore]:
+    """Score every pod (restricted to `pods` ids if given) on the leading blocks of `block_keys`.
+
+    Best first: score desc, then matched_blocks desc, then pod id and dp rank ascending. Pods matching
+    no leading block are omitted.
+    """
+    holder_runs = index.lookup_ids(block_keys, pods)
+    if not holder_runs:
+        return []
+    entry_pod: dict[int, PodRef] = {}
+    entry_tier: dict[int, str] = {}
+    entry_weight: dict[int, float] = {}
+    for entry_id in set().union(*set(holder_runs)):
+        pod, tier = index.entry(entry_id)
+        entry_pod[entry_id] = pod
+        entry_tier[entry_id] = tier
+        entry_weight[entry_id] = tier_weights.get(tier, unknown_tier_weight)
+
+    # Only holders of block 0 can match anything; they drop out at their first missing block.
+    first = holder_runs[0]
+    live_entries = set(first)
+    live_pods = {entry_pod[entry_id] for entry_id in first}
+    entry_run: dict[int, int] = {}
+    pod_matched: dict[PodRef, int] = {}
+    pod_score: dict[PodRef, float] = dict.fromkeys(live_pods, 0.0)
+
+    position = 0
+    num_blocks = len(holder_runs)
+    while position < num_blocks and live_pods:
+        holders = holder_runs[position]
+        end = position + 1
+        while end < num_blocks and holder_runs[end] == holders:
+            end += 1
+        gone = live_entries.difference(holders)
+        for entry_id in gone:
+            entry_run[entry_id] = position
+        live_entries -= gone
+        best_weight: dict[PodRef, float] = {}
+        for entry_id in holders:
+            pod = entry_pod[entry_id]
+            if pod in live_pods:
+                weight = entry_weight[entry_id]
+                if weight > best_weight.get(pod, float("-inf")):
+                    best_weight[pod] = weight
+        for pod in live_pods.difference(best_weight):
+            pod_matched[pod] = position
+        live_pods.intersection_update(best_weight)
+        run_length = end - position
+        for pod, weight in best_weight.items():
+            pod_score[pod] += weight * run_length
+        position = end
+    for entry_id in live_entries:
+        entry_run[entry_id] = position
+    for pod in live_pods:
+        pod_matched[pod] = position
+
+    pod_by_tier: dict[PodRef, dict[str, int]] = {pod: {} for pod in pod_matched}
+    for entry_id, run in entry_run.items():
+        if run:
+            pod_by_tier[entry_pod[entry_id]][entry_tier[entry_id]] = run
+    scores = [
+        PodScore(
+            pod_id=pod.pod_id,
+            dp_rank=pod.dp_rank,
+            matched_blocks=matched,
+            matched_tokens=matched * block_size,
+            score=pod_score[pod],
+            by_tier=pod_by_tier[pod],
+        )
+        for pod, matched in pod_matched.items()
+        if matched
+    ]
+    scores.sort(key=lambda s: (-s.score, -s.matched_blocks, s.pod_id, s.dp_rank))
+    return scores

@@ -1,0 +1,254 @@
+"""One conformance suite for KVIndex, run over several shard counts and capacities.
+
+Expected values come from the event rules (store adds, remove drops one tier, clear drops the pod, the
+least recently stored key / entry goes first), never from the index's own output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from kvindex.indexer.events import (
+    TIER_CPU,
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    PodRef,
+)
+from kvindex.indexer.index import KVIndex
+
+pytestmark = pytest.mark.timeout(60)
+
+POD_A = PodRef("a")
+POD_B = PodRef("b")
+POD_A1 = PodRef("a", dp_rank=1)
+
+CONFIGS = {
+    "1-shard-large": dict(num_shards=1, max_keys=1_000_000, max_pods_per_key=256),
+    "16-shards-large": dict(num_shards=16, max_keys=1_000_000, max_pods_per_key=256),
+    "1-shard-tiny": dict(num_shards=1, max_keys=8, max_pods_per_key=2),
+    "16-shards-tiny": dict(num_shards=16, max_keys=64, max_pods_per_key=2),
+}
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def index(request: pytest.FixtureRequest) -> KVIndex:
+    return KVIndex(**CONFIGS[request.param])
+
+
+def stored(keys: Sequence[int], parent: int | None = None, tier: str = TIER_GPU) -> BlocksStored:
+    return BlocksStored(block_keys=tuple(keys), parent_key=parent, token_ids=(), block_size=16, tier=tier)
+
+
+def removed(keys: Sequence[int], tier: str = TIER_GPU) -> BlocksRemoved:
+    return BlocksRemoved(block_keys=tuple(keys), tier=tier)
+
+
+def same_shard_keys(index: KVIndex, count: int, start: int = 1000) -> list[int]:
+    """`count` keys that all land in one shard, so they compete for one key LRU."""
+    target = index.shard_of(start)
+    return [
+        key for key in range(start, start + count * index.num_shards * 4) if index.shard_of(key) == target
+    ][:count]
+
+
+def spread_keys(index: KVIndex, count: int, start: int = 5000) -> list[int]:
+    """`count` keys, at most shard_capacity per shard, so nothing is evicted."""
+    per_shard: dict[int, int] = {}
+    keys = []
+    key = start
+    while len(keys) < count:
+        shard = index.shard_of(key)
+        if per_shard.get(shard, 0) < index.shard_capacity:
+            per_shard[shard] = per_shard.get(shard, 0) + 1
+            keys.append(key)
+        key += 1
+    return keys
+
+
+def holders_of(index: KVIndex, key: int) -> set[tuple[PodRef, str]]:
+    found = index.lookup([key])
+    return set(found[0]) if found else set()
+
+
+class TestKVIndexConformance:
+    def test_store_then_lookup_lists_every_block(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 3)
+        stats = index.apply(POD_A, [stored(keys)])
+        assert stats.stored_blocks == 3
+        assert index.lookup(keys) == [((POD_A, TIER_GPU),)] * 3
+        assert index.num_keys() == 3 and index.num_entries() == 3
+        assert index.pod_block_count(POD_A) == 3
+        assert index.pods() == [POD_A]
+        assert index.check_consistency() == []
+
+    def test_remove_drops_only_that_tier(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys, tier=TIER_GPU), stored(keys, tier=TIER_CPU)])
+        stats = index.apply(POD_A, [removed(keys[:1], tier=TIER_GPU)])
+        assert stats.removed_blocks == 1 and stats.missing_removals == 0
+        assert holders_of(index, keys[0]) == {(POD_A, TIER_CPU)}
+        assert holders_of(index, keys[1]) == {(POD_A, TIER_GPU), (POD_A, TIER_CPU)}
+        assert index.pod_block_count(POD_A, TIER_GPU) == 1
+        assert index.pod_block_count(POD_A, TIER_CPU) == 2
+        assert index.check_consistency() == []
+
+    def test_remove_of_unheld_block_is_counted_and_harmless(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys[:1])])
+        stats = index.apply(POD_A, [removed(keys, tier=TIER_GPU), removed(keys[:1], tier=TIER_CPU)])
+        assert (stats.removed_blocks, stats.missing_removals) == (1, 2)
+        assert index.num_keys() == 0 and index.pods() == []
+
+    def test_removing_last_holder_drops_the_key(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys)])
+        index.apply(POD_A, [removed(keys)])
+        assert index.num_keys() == 0 and index.num_entries() == 0
+        assert index.lookup(keys) == []
+
+    def test_clear_pod_leaves_other_pods_untouched(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 3)
+        index.apply(POD_A, [stored(keys), stored(keys[:2], tier=TIER_CPU)])
+        index.apply(POD_B, [stored(keys[2:])])  # at most 2 holders per key: no per-key eviction
+        assert index.clear_pod(POD_A) == 5
+        assert index.lookup(keys) == []  # block 0 was only pod a's
+        assert index.lookup(keys[2:]) == [((POD_B, TIER_GPU),)]
+        assert index.pod_block_count(POD_A) == 0 and index.pods() == [POD_B]
+        assert index.clear_pod(POD_A) == 0
+        assert index.check_consistency() == []
+
+    def test_all_blocks_cleared_event_is_clear_pod_in_batch_order(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 3)
+        index.apply(POD_B, [stored(keys)])
+        stats = index.apply(POD_A, [stored(keys), AllBlocksCleared(), stored(keys[:1])])
+        assert stats.cleared_blocks == 3
+        assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU), (POD_B, TIER_GPU)}
+        assert holders_of(index, keys[2]) == {(POD_B, TIER_GPU)}
+
+    def test_dp_ranks_are_separate_pods(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys)])
+        index.apply(POD_A1, [stored(keys[:1])])
+        assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU), (POD_A1, TIER_GPU)}
+        index.apply(POD_A1, [AllBlocksCleared()])
+        assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU)}
+        assert index.pods() == [POD_A]
+
+    def test_key_eviction_drops_least_recently_stored(self, index: KVIndex) -> None:
+        capacity = index.shard_capacity
+        keys = same_shard_keys(index, capacity + 1)
+        index.apply(POD_A, [stored(keys[:capacity])])
+        index.apply(POD_B, [stored(keys[:1])])  # re-storing key 0 makes key 1 the oldest
+        stats = index.apply(POD_A, [stored(keys[capacity:])])
+        assert stats.evicted_keys == 1 and stats.evicted_entries == 1
+        assert holders_of(index, keys[1]) == set()
+        assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU), (POD_B, TIER_GPU)}
+        assert holders_of(index, keys[capacity]) == {(POD_A, TIER_GPU)}
+        assert index.pod_block_count(POD_A) == capacity
+        assert index.check_consistency() == []
+
+    def test_lookup_does_not_refresh_recency(self, index: KVIndex) -> None:
+        capacity = index.shard_capacity
+        keys = same_shard_keys(index, capacity + 1)
+        index.apply(POD_A, [stored(keys[:capacity])])
+        for _ in range(3):
+            index.lookup(keys[:1])
+        index.apply(POD_A, [stored(keys[capacity:])])
+        assert holders_of(index, keys[0]) == set()
+
+    def test_per_key_entry_cap_drops_least_recently_stored_entry(self, index: KVIndex) -> None:
+        cap = index.max_pods_per_key
+        pods = [PodRef(f"p{i}") for i in range(cap + 1)]
+        (key,) = spread_keys(index, 1)
+        for pod in pods[:cap]:
+            index.apply(pod, [stored([key])])
+        index.apply(pods[0], [stored([key])])  # refresh: pods[1] is now the oldest holder
+        stats = index.apply(pods[cap], [stored([key])])
+        assert stats.evicted_entries == 1
+        expected = {(pod, TIER_GPU) for pod in pods if pod != pods[1]}
+        assert holders_of(index, key) == expected
+        assert index.pod_block_count(pods[1]) == 0
+        assert index.check_consistency() == []
+
+    def test_restore_refreshes_without_duplicating(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys)])
+        stats = index.apply(POD_A, [stored(keys)])
+        assert (stats.stored_blocks, stats.refreshed_blocks) == (0, 2)
+        assert index.num_entries() == 2
+
+    def test_reverse_map_stays_consistent_under_both_evictions(self, index: KVIndex) -> None:
+        pods = [PodRef(f"p{i}", dp_rank=i % 2) for i in range(6)]
+        for round_no in range(4):
+            for pod_no, pod in enumerate(pods):
+                keys = [round_no * 7 + pod_no * 3 + k for k in range(min(index.shard_capacity, 30) + 3)]
+                index.apply(pod, [stored(keys, tier=(TIER_GPU, TIER_CPU)[pod_no % 2])])
+            index.apply(pods[round_no], [removed(range(40))])
+        assert index.check_consistency() == []
+        snapshot = index.snapshot()
+        for pod in pods:
+            held = sum(1 for holders in snapshot.values() for p, _ in holders if p == pod)
+            assert index.pod_block_count(pod) == held
+            assert index.clear_pod(pod) == held
+        assert index.num_keys() == 0 and index.num_entries() == 0
+        assert index.check_consistency() == []
+
+    def test_lookup_stops_at_first_gap(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 4)
+        index.apply(POD_A, [stored(keys[:2]), stored(keys[3:])])
+        assert index.lookup(keys) == [((POD_A, TIER_GPU),)] * 2
+        assert index.lookup(keys[3:]) == [((POD_A, TIER_GPU),)]
+
+    def test_pods_filter_restricts_holders_and_the_stop(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 3)
+        index.apply(POD_A, [stored(keys[:2])])
+        index.apply(POD_A1, [stored(keys[:1], tier=TIER_CPU)])
+        index.apply(POD_B, [stored(keys[1:])])
+        assert len(index.lookup(keys)) == 3
+        assert [set(h) for h in index.lookup(keys, pods=["a"])] == [
+            {(POD_A, TIER_GPU), (POD_A1, TIER_CPU)},
+            {(POD_A, TIER_GPU)},
+        ]
+        assert index.lookup(keys, pods=["b"]) == []
+        assert index.lookup(keys[1:], pods=["b", "nobody"]) == [((POD_B, TIER_GPU),)] * 2
+        assert index.lookup(keys, pods=["nobody"]) == []
+        assert index.lookup(keys, pods=[]) == []
+
+    def test_unknown_parents_are_applied_and_counted(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 6)
+        index.apply(POD_B, [stored(keys[:1])])
+        stats = index.apply(
+            POD_A,
+            [
+                stored(keys[1:2], parent=keys[0]),  # held by b only: unknown for a
+                stored(keys[2:3], parent=keys[1]),  # stored earlier in this batch: known
+                stored(keys[3:4], parent=None),  # a root: never unknown
+                stored(keys[4:5], parent=keys[3], tier=TIER_CPU),  # held on another tier: known
+            ],
+        )
+        assert stats.unknown_parents == 1 and stats.stored_blocks == 4
+        stats = index.apply(POD_A, [removed(keys[2:3]), stored(keys[5:6], parent=keys[2])])
+        assert stats.unknown_parents == 1  # removed earlier in the same batch
+        assert holders_of(index, keys[5]) == {(POD_A, TIER_GPU)}
+
+    def test_bad_batch_raises_and_changes_nothing(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys)])
+        before = index.snapshot()
+        with pytest.raises(TypeError):
+            index.apply(POD_B, [stored(keys), "not an event"])  # type: ignore[list-item]
+        with pytest.raises(ValueError):
+            index.apply(POD_B, [stored(keys), stored([-1])])
+        with pytest.raises(TypeError):
+            index.apply(POD_B, [stored(keys), stored(["x"])])  # type: ignore[list-item]
+        assert index.snapshot() == before
+
+
+def test_invalid_configuration_is_refused() -> None:
+    with pytest.raises(ValueError):
+        KVIndex(num_shards=0)
+    with pytest.raises(ValueError):
+        KVIndex(max_pods_per_key=0)
