@@ -29,7 +29,7 @@ _TokenTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 try:
     # CPython's built-in SHA-256: same digest as hashlib's OpenSSL one, ~20% cheaper per call on the
     # ~100-byte preimages of a block (no EVP context set-up).
-    from _sha256 import sha256 as _fast_sha256  # type: ignore[import-not-found]
+    from _sha256 import sha256 as _fast_sha256
 except ImportError:  # pragma: no cover - other interpreters
     _fast_sha256 = hashlib.sha256
 

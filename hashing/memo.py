@@ -48,9 +48,7 @@ class DigestMemo:
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
-        self._segments: OrderedDict[tuple[Any, ...], tuple[tuple[int, ...], tuple[bytes, ...]]] = (
-            OrderedDict()
-        )
+        self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

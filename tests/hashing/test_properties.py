@@ -305,3 +305,18 @@ def test_hashing_error_is_a_value_error() -> None:
 def test_event_hash_is_the_last_eight_bytes_big_endian() -> None:
     digest = bytes(range(32))
     assert event_hash(digest) == int.from_bytes(digest[-8:], "big")
+
+
+@pytest.mark.parametrize("bad", [True, False, 3.0, "7", None, -1])
+@pytest.mark.parametrize("position", [0, 17, 260, 300, 301])
+def test_bad_token_inside_a_memoised_prefix_is_still_refused(bad: Any, position: int) -> None:
+    """The memo must never vouch for a bad id just because the ints around it are known."""
+    tokens = list(range(1, 303))
+    hasher = BlockHasher(algo="sha256_cbor", block_size=16, seed="0")
+    expected = hasher.block_hashes(tokens)
+    assert hasher.block_hashes(list(tokens)) == expected  # warm: every block is a memo hit now
+    poisoned = list(tokens)
+    poisoned[position] = bad
+    with pytest.raises(HashingError, match="non-negative integers"):
+        hasher.block_hashes(poisoned)
+    assert hasher.block_hashes(tokens) == expected
