@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
 
@@ -24,7 +25,8 @@ from kvindex.hashing.memo import DigestMemo
 # Digests remembered per BlockHasher: ~4 MB, enough for a few hundred 8k-token conversations.
 DEFAULT_MEMO_SIZE: Final = 32768
 
-_TokenTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+_IntTuple = tuple[int, ...]
+_NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 
 try:
     # CPython's built-in SHA-256: same digest as hashlib's OpenSSL one, ~20% cheaper per call on the
@@ -41,24 +43,30 @@ def validate_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
     differently from the int an engine saw. Negative ids are refused: no vocabulary has them, so no engine
     ever cached them. Int subclasses (IntEnum) become plain ints.
     """
-    return _validated_from(_as_sequence(token_ids), 0)
+    return _prepare(token_ids)[0]
 
 
-def _as_sequence(token_ids: Sequence[int]) -> Sequence[Any]:
-    if isinstance(token_ids, (list, tuple)):
-        return token_ids
+def _prepare(token_ids: Sequence[int]) -> tuple[tuple[int, ...], bytes | None]:
+    """(validated ids, the ids packed as uint32 for memo keys — None if one does not fit in 32 bits)."""
     if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
         raise HashingError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
-    return list(token_ids)
-
-
-def _validated_from(token_ids: Sequence[Any], start: int) -> tuple[int, ...]:
-    """token_ids[start:] as validated ints (one msgspec pass); the memo vouched for token_ids[:start]."""
+    if not isinstance(token_ids, (list, tuple)):
+        token_ids = list(token_ids)
     try:
-        return msgspec.convert(token_ids[start:] if start else token_ids, _TokenTuple)
+        # One C pass for exact ints (bool, float, str refused; IntEnum becomes int).
+        tokens = msgspec.convert(token_ids, _IntTuple)
     except msgspec.ValidationError as exc:
-        where = f", counting from index {start}" if start else ""
-        raise HashingError(f"token_ids must be non-negative integers ({exc}{where})") from None
+        raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
+    try:
+        # A second C pass packs them for the memo and refuses negatives on the way.
+        return tokens, array("I", tokens).tobytes()
+    except OverflowError:
+        pass
+    try:
+        msgspec.convert(tokens, _NonNegativeTuple)
+    except msgspec.ValidationError as exc:
+        raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
+    return tokens, None  # ids >= 2**32: valid, hashed without the memo
 
 
 def _event_hashes(digests: list[bytes], digest_size: int) -> list[int]:
@@ -186,7 +194,7 @@ class BlockHasher:
         prompt_embeds_digests: Sequence[bytes] | None,
         lookahead: int,
     ) -> list[bytes]:
-        raw = _as_sequence(token_ids)
+        tokens, token_bytes = _prepare(token_ids)
         request_extras = make_request_extras(
             lora_name=lora_name,
             lora_path=lora_path,
@@ -196,28 +204,28 @@ class BlockHasher:
             lookahead=lookahead,
         )
         block_size = self._block_size
-        num_blocks = max(0, (len(raw) - request_extras.lookahead) // block_size)
+        num_blocks = max(0, (len(tokens) - request_extras.lookahead) // block_size)
         extras: list[ExtraKeys] | None = None
         if not request_extras.is_plain:
-            # Extra keys read tokens (lookahead): validate every id first on this rarer path.
-            raw = _validated_from(raw, 0)
-            extras, _ = per_block_keys(request_extras, raw, block_size, num_blocks)
+            extras, _ = per_block_keys(request_extras, tokens, block_size, num_blocks)
         digests: list[bytes] = []
-        memo = self._memo
+        memo = self._memo if token_bytes is not None else None
         missed_segments: list[int] = []
-        if memo is not None:
-            missed_segments = memo.resolve(self._root, raw, block_size, num_blocks, extras, digests)
+        if memo is not None and token_bytes is not None:
+            missed_segments = memo.resolve(
+                self._root, token_bytes, 4 * block_size, num_blocks, extras, digests
+            )
         first_new = len(digests)
-        # Ids the memo matched are byte-for-byte ids validated when they were recorded; everything else
-        # (new blocks, the partial tail) is validated here, so bad input fails with or without the memo.
-        rest = _validated_from(raw, first_new * block_size)
         if first_new < num_blocks:
+            rest = tokens[first_new * block_size :]
             if self._algo.uses_cbor:
                 self._hash_cbor(rest, extras, first_new, num_blocks, digests)
             else:
                 self._hash_pickle(rest, extras, first_new, num_blocks, digests)
-            if memo is not None:
-                memo.record(self._root, raw, block_size, extras, digests, first_new, missed_segments)
+            if memo is not None and token_bytes is not None:
+                memo.record(
+                    self._root, token_bytes, 4 * block_size, extras, digests, first_new, missed_segments
+                )
         return digests
 
     def _hash_pickle(

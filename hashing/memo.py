@@ -13,34 +13,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
-import msgspec
 from kvindex.hashing.extra_keys import ExtraKeys
 
 SEGMENT_BLOCKS: Final = 16
-
-_pack = msgspec.msgpack.encode
-
-
-def token_key(token_ids: Sequence[Any]) -> bytes | None:
-    """What the memo keys a run of tokens by: its msgpack bytes (one C call, ~3 bytes a token, cheap to
-    hash and compare), or None if it cannot be encoded (ids >= 2**64, foreign objects).
-
-    msgpack is type-exact and self-delimiting: `true`, `1.0` and `1` encode differently, so a key equal to
-    one recorded from validated ints proves the run *is* those ints. That lets the hit path skip
-    validation; whatever misses is validated before it is hashed. (Comparing int tuples instead costs
-    more: prompts decoded from JSON never share int objects, so every element is compared by value.)
-    """
-    try:
-        return _pack(token_ids)
-    except (TypeError, OverflowError, ValueError):
-        return None
 
 
 class DigestMemo:
     """LRU memo: (parent digest, tokens, extra keys) -> digest(s); the parent pins the whole prefix.
 
-    Token ids need not be validated: only runs whose key equals one recorded from validated ids can hit.
-    `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to
+    Tokens come as `token_bytes`: validated ids packed as uint32, `block_width` bytes per block (slicing,
+    hashing and comparing bytes is several times cheaper than int tuples). `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to
     share between threads: every read-modify of the dicts happens under one lock, never held while hashing.
     """
 
@@ -59,8 +41,8 @@ class DigestMemo:
     def resolve(
         self,
         root: bytes,
-        token_ids: Sequence[Any],
-        block_size: int,
+        token_bytes: bytes,
+        block_width: int,
         num_blocks: int,
         extras: Sequence[ExtraKeys] | None,
         digests: list[bytes],
@@ -71,7 +53,7 @@ class DigestMemo:
         their blocks are known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
         """
         seg = SEGMENT_BLOCKS
-        seg_width = seg * block_size
+        seg_width = seg * block_width
         full_end = num_blocks - num_blocks % seg
         missed_segments: list[int] = []
         parent = root
@@ -79,11 +61,11 @@ class DigestMemo:
         with self._lock:
             segments, blocks = self._segments, self._blocks
             while index < num_blocks:
-                start = index * block_size
+                start = index * block_width
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        token_key(token_ids[start : start + seg_width]),
+                        token_bytes[start : start + seg_width],
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = segments.get(seg_key)
@@ -96,7 +78,7 @@ class DigestMemo:
                     missed_segments.append(index)
                 block_key = (
                     parent,
-                    token_key(token_ids[start : start + block_size]),
+                    token_bytes[start : start + block_width],
                     None if extras is None else extras[index],
                 )
                 hit = blocks.get(block_key)
@@ -111,8 +93,8 @@ class DigestMemo:
     def record(
         self,
         root: bytes,
-        token_ids: Sequence[Any],
-        block_size: int,
+        token_bytes: bytes,
+        block_width: int,
         extras: Sequence[ExtraKeys] | None,
         digests: Sequence[bytes],
         first_new: int,
@@ -124,7 +106,7 @@ class DigestMemo:
         of the ragged tail go to the block level, where the next, longer turn will find them.
         """
         seg = SEGMENT_BLOCKS
-        seg_width = seg * block_size
+        seg_width = seg * block_width
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
@@ -132,32 +114,30 @@ class DigestMemo:
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries = []
         for index in starts:
-            start = index * block_size
+            start = index * block_width
             key = (
                 root if index == 0 else digests[index - 1],
-                token_key(token_ids[start : start + seg_width]),
+                token_bytes[start : start + seg_width],
                 None if extras is None else tuple(extras[index : index + seg]),
             )
             seg_entries.append((key, tuple(digests[index : index + seg])))
         block_entries = []
         for index in range(max(first_new, full_end), num_blocks):
-            start = index * block_size
+            start = index * block_width
             key = (
                 root if index == 0 else digests[index - 1],
-                token_key(token_ids[start : start + block_size]),
+                token_bytes[start : start + block_width],
                 None if extras is None else extras[index],
             )
             block_entries.append((key, digests[index]))
         with self._lock:
             segments, blocks = self._segments, self._blocks
             for seg_key, seg_digests in seg_entries:
-                if seg_key[1] is not None:
-                    segments[seg_key] = seg_digests
-                    segments.move_to_end(seg_key)
+                segments[seg_key] = seg_digests
+                segments.move_to_end(seg_key)
             while len(segments) > self._segment_capacity:
                 segments.popitem(last=False)
             for block_key, digest in block_entries:
-                if block_key[1] is not None:
-                    blocks[block_key] = digest
+                blocks[block_key] = digest
             while len(blocks) > self._block_capacity:
                 blocks.popitem(last=False)
