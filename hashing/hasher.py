@@ -22,8 +22,11 @@ from kvindex.hashing.errors import HashingError
 from kvindex.hashing.extra_keys import ExtraKeys, MMItem, make_request_extras, per_block_keys, untag
 from kvindex.hashing.memo import DigestMemo
 
-# Digests remembered per BlockHasher: ~4 MB, enough for a few hundred 8k-token conversations.
+# Digests remembered per BlockHasher (~10 MB with their keys): 64 distinct 8k-token prompts, or far more
+# conversations that share a system prompt.
 DEFAULT_MEMO_SIZE: Final = 32768
+# Bytes per token in the memo's packed keys.
+_KEY_ITEMSIZE: Final = array("I").itemsize
 
 _IntTuple = tuple[int, ...]
 _NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
@@ -213,7 +216,7 @@ class BlockHasher:
         missed_segments: list[int] = []
         if memo is not None and token_bytes is not None:
             missed_segments = memo.resolve(
-                self._root, token_bytes, 4 * block_size, num_blocks, extras, digests
+                self._root, token_bytes, _KEY_ITEMSIZE * block_size, num_blocks, extras, digests
             )
         first_new = len(digests)
         if first_new < num_blocks:
@@ -224,7 +227,13 @@ class BlockHasher:
                 self._hash_pickle(rest, extras, first_new, num_blocks, digests)
             if memo is not None and token_bytes is not None:
                 memo.record(
-                    self._root, token_bytes, 4 * block_size, extras, digests, first_new, missed_segments
+                    self._root,
+                    token_bytes,
+                    _KEY_ITEMSIZE * block_size,
+                    extras,
+                    digests,
+                    first_new,
+                    missed_segments,
                 )
         return digests
 
