@@ -79,6 +79,6 @@ def encode_extra(extra_keys: Any) -> bytes:
     return cbor2.dumps(extra_keys, canonical=True)
 
 
-def preimage_prefix(parent: bytes) -> bytes:
-    """The bytes before the token array: array(3) head, then the parent as a byte string."""
-    return _ARRAY3 + bstr_head(len(parent)) + parent
+def preimage_head(parent_size: int) -> bytes:
+    """The bytes before the parent digest: array(3) head, then the head of a `parent_size`-byte string."""
+    return _ARRAY3 + bstr_head(parent_size)

@@ -106,14 +106,16 @@ class BlockHasher:
         self._root = root_hash(self._algo, seed)
         self._memo = DigestMemo(memo_size) if memo_size else None
         self._cbor_array_head = cbor_fast.array_head(block_size)
-        self._cbor_parent_head = b"\x83" + cbor_fast.bstr_head(len(self._root))
+        self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
 
     @property
     def algo(self) -> str:
+        """The `--prefix-caching-hash-algo` name."""
         return self._algo.name
 
     @property
     def block_size(self) -> int:
+        """Tokens per hashed block (vLLM's hash_block_size)."""
         return self._block_size
 
     @property
