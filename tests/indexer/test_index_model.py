@@ -1,0 +1,145 @@
+"""KVIndex driven by hypothesis against a reference model written from the event rules.
+
+The model is a plain dict block key -> set of (pod, tier): BlocksStored adds the pod's tier to each key,
+BlocksRemoved drops that tier, AllBlocksCleared drops the pod; a stored block's parent is "unknown" when
+the pod holds it on no tier at that moment. Unbounded, the index must equal the model exactly; bounded,
+it must hold a subset of it and respect its caps.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from kvindex.indexer.events import (
+    TIER_CPU,
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+    PodRef,
+)
+from kvindex.indexer.index import KVIndex
+
+pytestmark = pytest.mark.timeout(120)
+
+PODS = [PodRef("a"), PodRef("a", 1), PodRef("b")]
+TIERS = [TIER_GPU, TIER_CPU]
+KEYS = st.integers(0, 23)
+
+events_strategy = st.lists(
+    st.one_of(
+        st.builds(
+            BlocksStored,
+            block_keys=st.lists(KEYS, max_size=5).map(tuple),
+            parent_key=st.none() | KEYS,
+            token_ids=st.just(()),
+            block_size=st.just(16),
+            tier=st.sampled_from(TIERS),
+        ),
+        st.builds(
+            BlocksRemoved, block_keys=st.lists(KEYS, max_size=5).map(tuple), tier=st.sampled_from(TIERS)
+        ),
+        st.just(AllBlocksCleared()),
+    ),
+    max_size=4,
+)
+
+Model = dict[int, set[tuple[PodRef, str]]]
+
+
+def model_apply(model: Model, pod: PodRef, events: list[KVEvent]) -> int:
+    """Apply events to the model; returns the number of unknown parents."""
+    unknown_parents = 0
+    for event in events:
+        if isinstance(event, BlocksStored):
+            parent = event.parent_key
+            if parent is not None and not any(p == pod for p, _ in model.get(parent, ())):
+                unknown_parents += 1
+            for key in event.block_keys:
+                model.setdefault(key, set()).add((pod, event.tier))
+        elif isinstance(event, BlocksRemoved):
+            for key in event.block_keys:
+                model.get(key, set()).discard((pod, event.tier))
+        else:
+            for holders in model.values():
+                holders.difference_update({h for h in holders if h[0] == pod})
+    for key in [k for k, holders in model.items() if not holders]:
+        del model[key]
+    return unknown_parents
+
+
+class UnboundedIndexMatchesModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = KVIndex(num_shards=3, max_keys=10_000, max_pods_per_key=100)
+        self.model: Model = {}
+
+    @rule(pod=st.sampled_from(PODS), events=events_strategy)
+    def apply(self, pod: PodRef, events: list[KVEvent]) -> None:
+        expected_unknown = model_apply(self.model, pod, events)
+        assert self.index.apply(pod, events).unknown_parents == expected_unknown
+
+    @rule(pod=st.sampled_from(PODS))
+    def clear_pod(self, pod: PodRef) -> None:
+        expected = sum(1 for holders in self.model.values() for p, _ in holders if p == pod)
+        model_apply(self.model, pod, [AllBlocksCleared()])
+        assert self.index.clear_pod(pod) == expected
+
+    @rule(prompt=st.lists(KEYS, max_size=8), pods=st.none() | st.sets(st.sampled_from(["a", "b"])))
+    def lookup(self, prompt: list[int], pods: set[str] | None) -> None:
+        expected = []
+        for key in prompt:
+            holders = {h for h in self.model.get(key, ()) if pods is None or h[0].pod_id in pods}
+            if not holders:
+                break
+            expected.append(holders)
+        assert [set(h) for h in self.index.lookup(prompt, pods)] == expected
+
+    @invariant()
+    def same_content(self) -> None:
+        assert self.index.snapshot() == {k: frozenset(v) for k, v in self.model.items()}
+        assert self.index.num_entries() == sum(len(v) for v in self.model.values())
+        for pod in PODS:
+            held = sum(1 for holders in self.model.values() for p, _ in holders if p == pod)
+            assert self.index.pod_block_count(pod) == held
+        assert self.index.pods() == sorted({p for holders in self.model.values() for p, _ in holders})
+
+
+class BoundedIndexStaysWithinModelAndCaps(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = KVIndex(num_shards=2, max_keys=6, max_pods_per_key=2)
+        self.model: Model = {}
+
+    @rule(pod=st.sampled_from(PODS), events=events_strategy)
+    def apply(self, pod: PodRef, events: list[KVEvent]) -> None:
+        model_apply(self.model, pod, events)
+        self.index.apply(pod, events)
+
+    @rule(pod=st.sampled_from(PODS))
+    def clear_pod(self, pod: PodRef) -> None:
+        model_apply(self.model, pod, [AllBlocksCleared()])
+        self.index.clear_pod(pod)
+
+    @invariant()
+    def subset_of_model_within_caps(self) -> None:
+        snapshot = self.index.snapshot()
+        assert len(snapshot) <= 6
+        for key, holders in snapshot.items():
+            assert 1 <= len(holders) <= 2
+            assert holders <= self.model.get(key, set())
+        assert self.index.check_consistency() == []
+        for pod in PODS:
+            held = sum(1 for holders in snapshot.values() for p, _ in holders if p == pod)
+            assert self.index.pod_block_count(pod) == held
+
+
+TestUnboundedIndexMatchesModel = UnboundedIndexMatchesModel.TestCase
+TestUnboundedIndexMatchesModel.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestBoundedIndexStaysWithinModelAndCaps = BoundedIndexStaysWithinModelAndCaps.TestCase
+TestBoundedIndexStaysWithinModelAndCaps.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
