@@ -78,10 +78,16 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
         assert status_of(service, rank0).last_seq == 9 and status_of(service, rank1).last_seq == 19
         assert status_of(service, rank1).model == "m"
         # pod-b has no replay socket (the template reaches nothing there): what it received is indexed.
-        wait_for(
-            lambda: any(s.pod == "pod-b" and s.model == "org/model@v2" for s in service.pod_statuses()),
-            what="model with '@'",
-        )
+        # With no replay socket, pod-b's first batches are lost until its PUB has our subscription (a
+        # loaded machine can lose all ten): keep publishing until it is seen.
+        def pod_b_seen() -> bool:
+            if any(s.pod == "pod-b" and s.model == "org/model@v2" for s in service.pod_statuses()):
+                return True
+            other.store()
+            other.flush()
+            return False
+
+        wait_for(pod_b_seen, what="model with '@'")
         wait_for(service.ready, what="ready")
 
         rank0.restart()
