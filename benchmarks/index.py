@@ -172,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 read_rows.append([name, reader, f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}"])
         del index
     print(format_table(["index", "apply blocks/s", "entries", "traced B/entry", "RSS B/entry"], rows))
+    print(
+        "(RSS growth is only meaningful on the first row: later indexes reuse memory freed by earlier ones)"
+    )
     print()
     print(format_table(["index", "read", "p50 ms", "p99 ms"], read_rows))
     return 0
