@@ -22,12 +22,14 @@ if TYPE_CHECKING:  # the CLI imports every subcommand module: keep ZMQ and aioht
 
 EPILOG = """\
 how to start a fleet
-  Bind mode (like vLLM's default endpoint tcp://*:5557): engine i binds PUB on port 5557+i and replay on
+  Engines bind, kvindex dials them (kvindex's connect mode, `--pod`; like vLLM's default endpoint
+  tcp://*:5557): engine i binds PUB on port 5557+i and replay on
   5600+i; the printed `kvindex serve` flags dial them:
       kvindex sim --engines 4 --pub 'tcp://*:5557' --replay 'tcp://*:5600' --http-port-base 8200
       kvindex serve --block-size 16 --hash-algo sha256 --pod sim-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,model=sim-model ...
 
-  Connect mode: start `kvindex serve --listen tcp://*:5557` first, then let every engine dial it; each
+  Engines dial kvindex (kvindex's bind mode, `--listen`): start `kvindex serve --listen tcp://*:5557`
+  first, then let every engine dial it; each
   engine publishes under the topic kv@<pod>@<model>:
       kvindex sim --engines 4 --pub tcp://127.0.0.1:5557
 
