@@ -1,7 +1,9 @@
 """The `kvindex` command line: one dispatcher, one module per subcommand.
 
 Each subcommand module (api/cmd_<name>.py) exposes `configure(parser)` and `run(args) -> int`.
-Modules are imported lazily so `kvindex hash` does not pay for aiohttp or ZMQ start-up.
+Building the parser imports every cmd module, so a cmd module imports only argparse-level things at
+module level and its heavy dependencies (aiohttp, ZMQ, prometheus_client, kvindex.hashing's tables)
+inside `run()`: `kvindex hash` and `kvindex --help` never pay for the service stack (tests check this).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+# kvindex.hashing.HASH_ALGOS, repeated so argument parsing need not import the hashing package (its
+# import builds lookup tables); tests/test_kvindex_cli.py checks the two agree.
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,7 +33,9 @@ class CliError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvindex", description="Cross-pod KV-cache indexer for vLLM fleets."
+        prog="kvindex",
+        description="Cross-pod KV-cache indexer for vLLM fleets.",
+        epilog="Run `kvindex COMMAND --help` for a command's options.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -44,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `kvindex` entry point: the subcommand's exit code; no subcommand prints help, exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)

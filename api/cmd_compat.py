@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import msgspec
 from kvindex.api.cli import CliError
-from kvindex.hashing.compat import CompatReport, VectorsFileError, check_vectors
+
+if TYPE_CHECKING:  # imported in run(): parsing arguments must not build the hashing tables
+    from kvindex.hashing.compat import CompatReport
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,9 @@ def _print_summary(report: CompatReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import msgspec
+    from kvindex.hashing.compat import VectorsFileError, check_vectors
+
     try:
         data = args.path.read_bytes()
     except OSError as exc:

@@ -15,16 +15,13 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvindex.api.cli import CliError
+from kvindex.api.cli import HASH_ALGOS, CliError
 
 if TYPE_CHECKING:
     from kvindex.api.config import ServeConfig
     from kvindex.indexer.ingest import IngestService
 
 logger = logging.getLogger("kvindex.serve")
-
-# Also checked by api/config.py; repeated here so `kvindex --help` need not import the service stack.
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

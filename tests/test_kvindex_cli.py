@@ -1,0 +1,78 @@
+"""The `kvindex` dispatcher (api/cli.py): start-up stays light, no subcommand prints help and exits 2,
+every subcommand answers --help.
+
+(Named test_kvindex_cli.py: tests/hashing/test_cli.py already owns the basename test_cli.py, and
+pytest's rootdir-style collection needs unique basenames.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvindex.api import cli
+from kvindex.hashing import HASH_ALGOS
+
+# Paid only by the subcommand that needs them, never by building the parser.
+HEAVY_ROOTS = ("aiohttp", "zmq", "prometheus_client")
+HEAVY_PACKAGES = ("kvindex.hashing", "kvindex.indexer", "kvindex.replay")
+
+PROBE = (
+    "import kvindex.api.cli as c; c.build_parser(); import sys; "
+    "print(sorted(m for m in sys.modules if m.split('.')[0] in {roots!r} "
+    "or any(m == p or m.startswith(p + '.') for p in {packages!r})))"
+)
+
+
+def test_building_the_parser_imports_no_heavy_module() -> None:
+    # A fresh interpreter: this test process has imported everything already.
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE.format(roots=HEAVY_ROOTS, packages=HEAVY_PACKAGES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_cli_hash_algos_match_the_hashing_package() -> None:
+    assert cli.HASH_ALGOS == tuple(HASH_ALGOS)
+
+
+def test_no_subcommand_prints_help_and_exits_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: kvindex")
+    for name in cli.SUBCOMMANDS:
+        assert name in result.stderr
+    assert result.stdout == ""
+
+
+def test_every_subcommand_is_registered() -> None:
+    parser = cli.build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001
+    assert set(subparsers.choices) == set(cli.SUBCOMMANDS)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "argv", [[name, "--help"] for name in cli.SUBCOMMANDS] + [["compat", "vectors", "--help"], ["--help"]]
+)
+def test_every_subcommand_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    prog = " ".join(["kvindex", *argv[:-1]])
+    assert out.startswith(f"usage: {prog}"), out
+    assert "--help" in out
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["frobnicate"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
