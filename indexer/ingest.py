@@ -168,9 +168,13 @@ class _Counters:
 class IngestService:
     """Subscribes to every pod, keeps each model's index in step with its pods' event streams.
 
-    Connect mode: one SUB per `PodConfig` (a (pod, dp rank) stream). Bind mode (`listen`): one SUB that
-    engines dial; streams appear on their first message. Either way each stream first replays its
-    engine's ring from seq 0 (state `replaying`; `ready()` is False meanwhile).
+    Connect mode: one SUB per `PodConfig` (a (pod, dp rank) stream). Bind mode (`listen`, one endpoint or
+    several): one bound SUB per endpoint that engines dial — several because vLLM offsets the PUB
+    endpoint by the DP rank too (rank r of `tcp://kvindex:5557` dials 5557+r); every bound SUB accepts
+    any pod and rank, streams appear on their first message. Either way each stream first replays its
+    engine's ring from seq 0 (state `replaying`; `ready()` is False meanwhile). With neither pods nor
+    listen the service is an empty shell around the indexes (tools fill them directly): it starts and
+    is ready at once.
     """
 
     def __init__(
@@ -178,15 +182,13 @@ class IngestService:
         models: Sequence[ModelConfig],
         pods: Sequence[PodConfig] = (),
         *,
-        listen: str | None = None,
+        listen: str | Sequence[str] | None = None,
         settings: IngestSettings = DEFAULT_SETTINGS,
     ) -> None:
         if not models:
             raise ValueError("at least one model is needed")
-        if not pods and listen is None:
-            raise ValueError("give pods to connect to, or a listen endpoint, or both")
         self.settings = settings
-        self.listen = listen
+        self.listen: tuple[str, ...] = (listen,) if isinstance(listen, str) else tuple(listen or ())
         self._models: dict[str, ModelRuntime] = {}
         for config in models:
             if config.name in self._models:
@@ -210,7 +212,8 @@ class IngestService:
         self._sampler = HashCheckSampler(settings.hash_check_every)
         self._logged_once: set[str] = set()
         self._listen_peers = 0
-        self.listen_endpoint: str | None = None
+        # Bind-mode source id -> the resolved address engines dial (what their status shows).
+        self._listen_sources: dict[str, str] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._queues: PodQueues[_Live | _Control] = PodQueues(
             self._handle, num_workers=settings.num_workers, queue_size=settings.queue_size
@@ -236,8 +239,9 @@ class IngestService:
         self._state = "running"
         for source_id, stream in self._source_streams.items():
             self._subscriber.add_connect(source_id, stream.endpoint)
-        if self.listen is not None:
-            self.listen_endpoint = self._subscriber.add_bind(_LISTEN_SOURCE, self.listen)
+        for idx, endpoint in enumerate(self.listen):
+            source_id = f"{_LISTEN_SOURCE}:{idx}"
+            self._listen_sources[source_id] = self._subscriber.add_bind(source_id, endpoint)
         self._queues.start()
         for stream in self._source_streams.values():
             self._submit(stream.ref.pod_id, _Control("join", stream.ref))
@@ -262,6 +266,17 @@ class IngestService:
             log.warning("ingest threads did not stop within %.1f s; leaving the ZMQ context open", timeout_s)
 
     # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def listen_endpoints(self) -> list[str]:
+        """Every bound SUB's resolved address (ephemeral ports filled in), in `listen` order; [] before
+        `start` or without bind mode."""
+        return list(self._listen_sources.values())
+
+    @property
+    def listen_endpoint(self) -> str | None:
+        """The first bound SUB's resolved address, or None."""
+        return next(iter(self._listen_sources.values()), None)
 
     def model(self, name: str) -> ModelRuntime | None:
         return self._models.get(name)
@@ -403,7 +418,7 @@ class IngestService:
         decoded = self._decode(pod_id, item.seq, item.payload)
         stream = self._source_streams.get(item.source_id)
         if stream is None:
-            stream = self._bind_stream(pod_id, item.model, decoded)
+            stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
         stream.last_live_at = time.monotonic()
         stream.active_since_probe = True
         actions = stream.tracker.on_live(item.seq, decoded, zlib.crc32(item.payload))
@@ -420,7 +435,7 @@ class IngestService:
         elif item.kind == "reconnect":
             stream.tracker.on_reconnect()
 
-    def _bind_stream(self, pod_id: str, model: str, decoded: _Item) -> _Stream:
+    def _bind_stream(self, pod_id: str, model: str, decoded: _Item, source_id: str) -> _Stream:
         rank = decoded.batch.dp_rank if decoded is not None and decoded.batch.dp_rank is not None else 0
         ref = PodRef(pod_id, rank)
         stream = self._streams.get(ref)
@@ -430,7 +445,7 @@ class IngestService:
         replay_endpoint = None
         if template is not None:
             replay_endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
-        stream = _Stream(ref, model, self.listen_endpoint or "", replay_endpoint)
+        stream = _Stream(ref, model, self._listen_sources.get(source_id, ""), replay_endpoint)
         with self._streams_lock:
             self._streams[ref] = stream
         log.info(

@@ -36,6 +36,20 @@ def status_of(service: IngestService, engine: Engine) -> PodStatus:
     )
 
 
+def publish_until_seen(service: IngestService, engine: Engine) -> None:
+    """Store until the service has seen the engine: a dialling PUB drops everything until our
+    subscription reaches it, and a loaded machine can lose every batch published so far."""
+
+    def seen() -> bool:
+        if any((s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank) for s in service.pod_statuses()):
+            return True
+        engine.store()
+        engine.flush()
+        return False
+
+    wait_for(seen, what=f"{engine.ref} seen")
+
+
 def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: list[Engine]) -> None:
     # The replay port doubles as the pod id so the template can reach an ephemeral port:
     # template tcp://127.0.0.1:{pod}; rank 1's replay socket is at that port + 1 (vLLM's DP offset).
@@ -72,11 +86,15 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
             other.store()
         for engine in engines:
             engine.flush()
+        publish_until_seen(service, rank0)
+        publish_until_seen(service, rank1)
         index_m = service.model("m").index  # type: ignore[union-attr]
         index_other = service.model("org/model@v2").index  # type: ignore[union-attr]
         wait_for(lambda: index_matches(index_m, [rank0, rank1]), what="both ranks indexed")
-        assert status_of(service, rank0).last_seq == 9 and status_of(service, rank1).last_seq == 19
+        assert status_of(service, rank0).last_seq == len(rank0.stored_order) - 1
+        assert status_of(service, rank1).last_seq == len(rank1.stored_order) - 1
         assert status_of(service, rank1).model == "m"
+
         # pod-b has no replay socket (the template reaches nothing there): what it received is indexed.
         # With no replay socket, pod-b's first batches are lost until its PUB has our subscription (a
         # loaded machine can lose all ten): keep publishing until it is seen.
@@ -118,5 +136,59 @@ def test_unknown_model_in_topic_is_a_counted_drop(engines: list[Engine]) -> None
 
         wait_for(dropped, what="unknown_model drop")
         assert service.pod_statuses() == []
+    finally:
+        service.stop()
+
+
+def test_several_listen_endpoints_take_dp_ranks_that_dial_offset_ports(engines: list[Engine]) -> None:
+    # vLLM offsets the PUB endpoint by the DP rank: rank r of `tcp://kvindex:P` dials P+r. Operators
+    # bind one SUB per rank; every bound SUB accepts any pod and rank.
+    settings = IngestSettings(
+        num_workers=2, hash_check_every=1, listen_replay_template="tcp://127.0.0.1:{pod}"
+    )
+    service = IngestService(MODELS, listen=["tcp://127.0.0.1:*", "tcp://127.0.0.1:*"], settings=settings)
+    assert service.listen_endpoints == [] and service.listen_endpoint is None  # resolved at start
+    service.start()
+    try:
+        endpoints = service.listen_endpoints
+        assert len(endpoints) == 2 and len(set(endpoints)) == 2
+        assert all("*" not in e and e.startswith("tcp://127.0.0.1:") for e in endpoints)
+        assert service.listen_endpoint == endpoints[0]
+        port = free_port()
+        pod_id = str(port)
+        rank0 = Engine(
+            pod_id, endpoint=endpoints[0], replay_endpoint=f"tcp://127.0.0.1:{port}", topic=f"kv@{pod_id}@m"
+        )
+        rank1 = Engine(
+            pod_id,
+            endpoint=endpoints[1],
+            replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
+            topic=f"kv@{pod_id}@m",
+            dp_rank=1,
+            offset_addresses=False,
+        )
+        engines += [rank0, rank1]
+        for _ in range(5):  # the first ones are lost until each PUB has our subscription: replayed
+            rank0.store()
+            rank1.store()
+        for engine in engines:
+            engine.flush()
+        publish_until_seen(service, rank0)
+        publish_until_seen(service, rank1)
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, [rank0, rank1]), what="both ranks indexed")
+        wait_for(service.ready, what="ready")
+        assert (status_of(service, rank0).endpoint, status_of(service, rank1).endpoint) == tuple(endpoints)
+        assert status_of(service, rank1).last_seq == len(rank1.stored_order) - 1
+    finally:
+        service.stop()
+
+
+def test_a_single_listen_string_is_one_endpoint() -> None:
+    service = IngestService(MODELS, listen="tcp://127.0.0.1:*")
+    service.start()
+    try:
+        assert service.listen_endpoints == [service.listen_endpoint]
+        assert service.listen == ("tcp://127.0.0.1:*",)
     finally:
         service.stop()

@@ -167,3 +167,25 @@ def test_engines_with_another_seed_are_flagged(engines: list[Engine]) -> None:
         assert status_of(service, engine).hash_mismatches_total >= 1
     finally:
         service.stop()
+
+
+def test_a_service_with_no_pods_and_no_listen_starts_ready_and_holds_what_tools_apply() -> None:
+    from kvindex.indexer.events import BlocksStored, PodRef
+
+    service = IngestService([MODEL])
+    assert not service.ready()  # not started yet
+    service.start()
+    try:
+        assert service.ready() and service.pod_statuses() == [] and service.listen_endpoints == []
+        index = service.model("m").index  # type: ignore[union-attr]
+        index.apply(
+            PodRef("tool-pod"),
+            [BlocksStored(block_keys=(11, 12), parent_key=None, token_ids=(), block_size=16)],
+        )
+        assert [[pod for pod, _ in holders] for holders in index.lookup([11, 12])] == [
+            [PodRef("tool-pod")],
+            [PodRef("tool-pod")],
+        ]
+    finally:
+        service.stop()
+    assert not service.ready()
