@@ -1,0 +1,362 @@
+"""`python -m benchmarks`: the issue-6 benchmark, kvindex vs NVIDIA Dynamo's indexer side by side.
+
+Workloads: ingest, score, memory (one shared run: 100 engines x 10,000 blocks), hashing (kvindex's hasher
+vs vLLM's formula, from benchmarks/hashing.py), scale (10/100/1,000 pods x 1,000 blocks each). Prints one
+table per workload and a summary of the issue-6 targets; writes every figure to --json.
+`--quick` shrinks everything (smoke test); `--big` adds a 10M-pair memory run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._table import format_table
+from benchmarks.compare import SubjectResult, build, run_pair
+from benchmarks.dynamo import available
+from benchmarks.workload import WorkloadSpec
+
+WORKLOADS = ("ingest", "score", "memory", "hashing", "scale")
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
+# Issue-6 targets: (kvindex / baseline) must be >= or <= this.
+TARGET_INGEST = 1.0
+TARGET_SCORE_P99 = 1.0
+TARGET_MEMORY = 1.0
+TARGET_HASH_COLD = 1.5
+TARGET_HASH_HOT = 8.0
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _get(results: dict[str, SubjectResult], name: str) -> SubjectResult | None:
+    result = results.get(name)
+    return result if result is not None and result.error is None else None
+
+
+# --- tables -------------------------------------------------------------------------------------
+
+
+def ingest_table(results: dict[str, SubjectResult]) -> str:
+    ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+    rows: list[list[object]] = []
+    fields = [
+        ("blocks/s (first publish -> all visible)", "blocks_per_s", "higher"),
+        ("ingest time s", "ingest_s", "lower"),
+        ("publisher send time s", "publish_s", "info"),
+        ("ingest time s, round 2 under queries", "during_ingest_s", "lower"),
+    ]
+    for label, attr, better in fields:
+        a = getattr(ours, attr) if ours else None
+        b = getattr(theirs, attr) if theirs else None
+        rows.append([label, fmt(a), fmt(b), fmt_ratio(ratio(a, b)), better])
+    return format_table(["metric", "kvindex", "Dynamo", "kvindex/Dynamo", "better"], rows)
+
+
+def score_table(results: dict[str, SubjectResult]) -> str:
+    ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+    rows: list[list[object]] = []
+    labels = {"tokens": "8192 token ids", "hashes": "512 block hashes"}
+    for phase in ("idle", "during"):
+        for kind, label in labels.items():
+            cells: list[object] = [label, "idle" if phase == "idle" else "during ingest"]
+            p99s: list[float | None] = []
+            for result in (ours, theirs):
+                lat = getattr(result, phase).get(kind) if result else None
+                if lat is None:
+                    cells += ["-", "-", "-", "-"]
+                    p99s.append(None)
+                    continue
+                cells += [
+                    len(lat.samples_s),
+                    fmt(lat.percentile_ms(0.5)),
+                    fmt(lat.percentile_ms(0.99)),
+                    f"{lat.correct}/{lat.checked}" + (" ok" if lat.correct == lat.checked else " WRONG"),
+                ]
+                p99s.append(lat.percentile_ms(0.99))
+            cells.append(fmt_ratio(ratio(p99s[0], p99s[1])))
+            rows.append(cells)
+    headers = [
+        "query", "phase",
+        "kvindex n", "kvindex p50 ms", "kvindex p99 ms", "kvindex correct",
+        "Dynamo n", "Dynamo p50 ms", "Dynamo p99 ms", "Dynamo correct",
+        "p99 kvindex/Dynamo (lower better)",
+    ]  # fmt: skip
+    return format_table(headers, rows)
+
+
+def memory_rows(results: dict[str, SubjectResult], label: str) -> list[list[object]]:
+    ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+    rows: list[list[object]] = []
+    for metric, getter in (
+        ("RSS before ingest MiB", lambda r: r.rss_before / 2**20),
+        ("RSS after ingest MiB", lambda r: r.rss_after / 2**20),
+        ("bytes per (pod, block) pair", lambda r: r.bytes_per_pair),
+    ):
+        a = getter(ours) if ours else None
+        b = getter(theirs) if theirs else None
+        better = "lower" if metric.startswith("bytes") else "info"
+        rows.append([label, metric, fmt(a, 1), fmt(b, 1), fmt_ratio(ratio(a, b)), better])
+    return rows
+
+
+def hashing_rows(quick: bool) -> tuple[list[list[object]], dict[str, float]]:
+    """kvindex BlockHasher vs vLLM's formula (benchmarks.hashing), cold and hot; speed-ups for sha256."""
+    from kvindex.hashing import HASH_ALGOS
+
+    from benchmarks import hashing
+
+    cold_count, conversations, repeats = (2, 2, 1) if quick else (12, 4, 5)
+    turn_tokens = 1024 if quick else 256
+    rng = random.Random(20261130)
+    prompts = {
+        "cold": hashing.cold_prompts(rng, cold_count),
+        "hot": hashing.hot_prompts(rng, conversations, turn_tokens),
+    }
+    rows: list[list[object]] = []
+    speedups: dict[str, float] = {}
+    for algo in ("sha256",) if quick else HASH_ALGOS:
+        baseline = hashing.vllm_formula(algo)
+        for workload, workload_prompts in prompts.items():
+            base_rate, ours_rate = hashing.compare(baseline, algo, workload_prompts, repeats)
+            rows.append([algo, workload, fmt(base_rate), fmt(ours_rate), f"{ours_rate / base_rate:.2f}x"])
+            if algo == "sha256":
+                speedups[workload] = ours_rate / base_rate
+    return rows, speedups
+
+
+def status(value: float | None, target: float, higher_is_better: bool) -> str:
+    if value is None:
+        return "n/a"
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "MISSED"
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test); numbers meaningless")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})"
+    )
+    parser.add_argument("--big", action="store_true", help="also measure memory at 10M pairs (slow)")
+    parser.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if it is installed")
+    args = parser.parse_args(argv)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"--only: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    args.only = only
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.monotonic()
+    if args.no_dynamo:
+        dynamo_ok, dynamo_reason = False, "skipped (--no-dynamo)"
+    else:
+        dynamo_ok, dynamo_reason = available()
+    print(f"Dynamo: {dynamo_reason}" if dynamo_ok else f"Dynamo: not available ({dynamo_reason})")
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    report: dict[str, Any] = {"quick": args.quick, "dynamo": dynamo_reason if dynamo_ok else None}
+    summary: dict[str, tuple[float | None, float | None]] = {}  # target -> (kvindex figure, Dynamo figure)
+
+    if {"ingest", "score", "memory"} & set(args.only):
+        if args.quick:
+            spec = WorkloadSpec(num_engines=4, blocks_per_engine=200, num_prefixes=2, num_queries=20)
+        else:
+            spec = WorkloadSpec(num_engines=100, blocks_per_engine=10_000, num_prefixes=10, num_queries=200)
+        log(f"ingest/score/memory workload: {spec}")
+        workload = build(spec, log)
+        measure_queries = "score" in args.only
+        results = run_pair(
+            workload,
+            dynamo_ok=dynamo_ok,
+            measure_during=measure_queries,
+            query_kinds=("tokens", "hashes") if measure_queries else ("tokens",),
+            ingest_timeout_s=60 if args.quick else 900,
+            log=log,
+        )
+        report["main"] = {name: result.to_json() for name, result in results.items()}
+        for name, result in results.items():
+            if result.error:
+                print(f"{name}: FAILED ({result.error})")
+        print()
+        print(
+            f"== ingest: {spec.num_engines} engines x {spec.blocks_per_engine} blocks = "
+            f"{workload.num_blocks:,} pod-block pairs, {spec.blocks_per_event} blocks/BlockStored, "
+            f"{spec.events_per_message} events/message; services run one after the other on identical bytes"
+        )
+        print(ingest_table(results))
+        ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+        summary["ingest"] = (
+            ours.blocks_per_s if ours else None,
+            theirs.blocks_per_s if theirs else None,
+        )
+        if measure_queries:
+            print()
+            print(
+                f"== score: HTTP latency per request, {len(workload.queries)} prompts of {spec.query_blocks} "
+                "blocks; same keep-alive client for both; 'during' = while a second publishing round is "
+                "being ingested (identical bytes, so answers stay checkable); Dynamo hashes = its own XXH3"
+            )
+            print(score_table(results))
+            for phase in ("idle", "during"):
+                lat_ours = getattr(ours, phase).get("tokens") if ours else None
+                lat_theirs = getattr(theirs, phase).get("tokens") if theirs else None
+                summary[f"score_{phase}"] = (
+                    lat_ours.percentile_ms(0.99) if lat_ours else None,
+                    lat_theirs.percentile_ms(0.99) if lat_theirs else None,
+                )
+        if "memory" in args.only:
+            rows = memory_rows(results, f"{workload.num_blocks:,}")
+            if args.big:
+                big_spec = WorkloadSpec(num_engines=100, blocks_per_engine=100_000, num_queries=5)
+                log(f"--big memory workload: {big_spec}")
+                big = run_pair(
+                    build(big_spec, log),
+                    dynamo_ok=dynamo_ok,
+                    measure_during=False,
+                    query_kinds=("tokens",),
+                    ingest_timeout_s=3600,
+                    log=log,
+                )
+                report["big"] = {name: result.to_json() for name, result in big.items()}
+                rows += memory_rows(big, f"{big_spec.num_engines * big_spec.blocks_per_engine:,}")
+            print()
+            print("== memory: service process RSS, (after ingest - before) / pairs")
+            headers = ["pairs", "metric", "kvindex", "Dynamo", "kvindex/Dynamo", "better"]
+            print(format_table(headers, rows))
+            summary["memory"] = (
+                ours.bytes_per_pair if ours else None,
+                theirs.bytes_per_pair if theirs else None,
+            )
+
+    hash_speedups: dict[str, float] = {}
+    if "hashing" in args.only:
+        log("hashing ...")
+        rows, hash_speedups = hashing_rows(args.quick)
+        report["hashing"] = {"rows": rows, "sha256_speedups": hash_speedups}
+        print()
+        print(
+            "== hashing: blocks/s of 8192-token prompts, kvindex BlockHasher vs vLLM's formula (same process)"
+        )
+        print(format_table(["algo", "workload", "vLLM blocks/s", "kvindex blocks/s", "speed-up"], rows))
+
+    if "scale" in args.only:
+        pod_counts, blocks_per_pod, num_queries = (
+            ((2, 4, 8), 100, 5) if args.quick else ((10, 100, 1000), 1000, 50)
+        )
+        rows = []
+        report["scale"] = []
+        for num_pods in pod_counts:
+            spec = WorkloadSpec(
+                num_engines=num_pods, blocks_per_engine=blocks_per_pod, num_queries=num_queries, seed=num_pods
+            )
+            log(f"scale: {num_pods} pods x {blocks_per_pod} blocks")
+            results = run_pair(
+                build(spec, log),
+                dynamo_ok=dynamo_ok,
+                measure_during=False,
+                query_kinds=("tokens",),
+                ingest_timeout_s=60 if args.quick else 900,
+                log=log,
+            )
+            report["scale"].append({name: result.to_json() for name, result in results.items()})
+            ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+            bps = [r.blocks_per_s if r else None for r in (ours, theirs)]
+            p99 = [r.idle["tokens"].percentile_ms(0.99) if r else None for r in (ours, theirs)]
+            correct = [
+                f"{r.idle['tokens'].correct}/{r.idle['tokens'].checked}" if r else "-" for r in (ours, theirs)
+            ]
+            errors = "; ".join(f"{n}: {r.error}" for n, r in results.items() if r.error)
+            rows.append(
+                [
+                    num_pods, num_pods * blocks_per_pod,
+                    fmt(bps[0]), fmt(bps[1]), fmt_ratio(ratio(bps[0], bps[1])),
+                    fmt(p99[0]), fmt(p99[1]), fmt_ratio(ratio(p99[0], p99[1])),
+                    correct[0], correct[1], errors[:120] or "",
+                ]
+            )  # fmt: skip
+        print()
+        print(
+            f"== scale: fixed {blocks_per_pod:,} blocks per pod (total grows with pods); "
+            f"score = {num_queries} 8192-token prompts, idle"
+        )
+        headers = [
+            "pods", "pairs",
+            "kvindex blocks/s", "Dynamo blocks/s", "ingest ratio (higher better)",
+            "kvindex p99 ms", "Dynamo p99 ms", "p99 ratio (lower better)",
+            "kvindex correct", "Dynamo correct", "errors",
+        ]  # fmt: skip
+        print(format_table(headers, rows))
+
+    targets: list[tuple[str, str, float, bool]] = [
+        ("ingest", "ingest blocks/s vs Dynamo", TARGET_INGEST, True),
+        ("score_idle", "score p99 (8192 tokens, idle) vs Dynamo /query", TARGET_SCORE_P99, False),
+        ("score_during", "score p99 (8192 tokens, during ingest) vs Dynamo", TARGET_SCORE_P99, False),
+        ("memory", "memory per pair vs Dynamo", TARGET_MEMORY, False),
+    ]
+    summary_rows: list[list[object]] = []
+    for key, label, target, higher in targets:
+        ours_value, theirs_value = summary.get(key, (None, None))
+        value = ratio(ours_value, theirs_value)
+        needed = f"{'>=' if higher else '<='} {target:.1f}x"
+        summary_rows.append(
+            [
+                label,
+                fmt(ours_value),
+                fmt(theirs_value),
+                fmt_ratio(value),
+                needed,
+                status(value, target, higher),
+            ]
+        )
+    for workload_name, target in (("cold", TARGET_HASH_COLD), ("hot", TARGET_HASH_HOT)):
+        value = hash_speedups.get(workload_name)
+        summary_rows.append(
+            [f"hashing sha256 {workload_name} vs vLLM's formula", "-", "-", fmt_ratio(value), f">= {target:.1f}x", status(value, target, True)]
+        )  # fmt: skip
+    print()
+    print(
+        f"== summary: issue-6 targets (ratio = kvindex / baseline){' --quick: numbers meaningless' if args.quick else ''}"
+    )
+    print(format_table(["target", "kvindex", "Dynamo", "ratio", "needed", "status"], summary_rows))
+    print(f"total {time.monotonic() - began:.0f}s, load average {os.getloadavg()[0]:.2f} at end")
+    report["summary"] = summary_rows
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+    print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

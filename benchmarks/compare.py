@@ -1,0 +1,422 @@
+"""kvindex vs NVIDIA Dynamo's indexer on identical vLLM KV-event bytes: ingest, score latency, memory, scale.
+
+Both services are real processes on 127.0.0.1 fed by a separate publisher process (one XPUB per engine,
+pre-encoded vLLM 0.33 payloads from benchmarks/workload.py). They run one after the other on the same
+bytes (sequential is fairer on a small box than running both at once). Timings use one HTTP client
+(benchmarks/service.py JsonClient) for both. Dynamo is optional: without it only kvindex's column is filled.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from benchmarks.dynamo import DynamoIndexer, dynamo_local_hashes
+from benchmarks.service import (
+    JsonClient,
+    KvindexService,
+    await_condition,
+    blocks_per_engine_dynamo,
+    blocks_per_engine_kvindex,
+)
+from benchmarks.workload import Workload, WorkloadSpec, build_workload, encode_engine
+
+POLL_S = 0.05  # same completion-poll interval for both services
+
+
+# --- the publisher process -------------------------------------------------------------------------
+
+
+def _publisher_main(conn: multiprocessing.connection.Connection, payloads: list[list[bytes]]) -> None:
+    """Child process: bind one XPUB per engine, then obey ("await", timeout) / ("publish", round) / ("stop")."""
+    import zmq
+
+    parent = os.getppid()
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, 65_536)
+    sockets: list[Any] = []
+    try:
+        for _ in payloads:
+            sock = ctx.socket(zmq.XPUB)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop at our end: a slow subscriber is the thing measured
+            sock.setsockopt(zmq.RCVTIMEO, 100)
+            sock.bind("tcp://127.0.0.1:0")
+            sockets.append(sock)
+        conn.send([sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in sockets])
+        while os.getppid() == parent:
+            if not conn.poll(0.5):
+                continue
+            command, arg = conn.recv()
+            if command == "stop":
+                break
+            if command == "await":
+                conn.send(_await_subscribers(sockets, float(arg)))
+            elif command == "publish":
+                conn.send(_publish_round(sockets, payloads, int(arg)))
+    except (KeyboardInterrupt, BrokenPipeError, EOFError):
+        pass
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def _await_subscribers(sockets: list[Any], timeout_s: float) -> tuple[str, str]:
+    import zmq
+
+    deadline = time.monotonic() + timeout_s
+    for index, sock in enumerate(sockets):
+        while True:
+            try:
+                if sock.recv()[:1] == b"\x01":
+                    break
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    return "error", f"engine {index}: no subscriber after {timeout_s:.0f}s"
+    return "ok", ""
+
+
+def _publish_round(
+    sockets: list[Any], payloads: list[list[bytes]], round_index: int
+) -> tuple[str, float, float]:
+    """Every engine's payloads, round-robin across engines; seq continues across rounds."""
+    first = time.monotonic()
+    for k in range(max(len(p) for p in payloads)):
+        for sock, engine_payloads in zip(sockets, payloads, strict=True):
+            if k < len(engine_payloads):
+                seq = round_index * len(engine_payloads) + k
+                sock.send_multipart([b"", seq.to_bytes(8, "big"), engine_payloads[k]])
+    return "published", first, time.monotonic()
+
+
+class Publishers:
+    """The publisher process; a context manager that always ends it."""
+
+    def __init__(self, payloads: list[list[bytes]]) -> None:
+        self.payloads = payloads
+        # fork: the child inherits the (large) payload list without pickling it.
+        context = multiprocessing.get_context("fork")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_publisher_main, args=(child_conn, payloads), daemon=True)
+        self.endpoints: list[str] = []
+
+    def __enter__(self) -> Publishers:
+        self._process.start()
+        self.endpoints = self._recv(60.0)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._conn.send(("stop", None))
+        except OSError:
+            pass
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(10)
+        self._conn.close()
+
+    def _recv(self, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"publisher process silent for {timeout_s:.0f}s")
+        return self._conn.recv()
+
+    def await_subscribers(self, timeout_s: float = 60.0) -> None:
+        self._conn.send(("await", timeout_s))
+        status, message = self._recv(timeout_s + 30)
+        if status != "ok":
+            raise TimeoutError(message)
+
+    def start_round(self, round_index: int) -> None:
+        self._conn.send(("publish", round_index))
+
+    def finish_round(self, timeout_s: float = 600.0) -> tuple[float, float]:
+        """(monotonic time of the first send, of the last send) of the round started last."""
+        _, first, last = self._recv(timeout_s)
+        return first, last
+
+    def last_seqs(self, round_index: int) -> dict[int, int]:
+        return {engine: (round_index + 1) * len(p) - 1 for engine, p in enumerate(self.payloads)}
+
+
+# --- the services under test, behind one small interface -------------------------------------------
+
+
+class Subject(Protocol):
+    name: str
+    port: int
+
+    def caught_up(self, round_index: int) -> bool: ...
+    def rss_bytes(self) -> int: ...
+    def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]: ...
+    def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]: ...
+    def blocks_per_engine(self, response: Any) -> dict[int, int]: ...
+
+
+class KvindexSubject:
+    name = "kvindex"
+
+    def __init__(self, service: KvindexService, publishers: Publishers) -> None:
+        self.service = service
+        self.publishers = publishers
+        self.port = service.port
+
+    def caught_up(self, round_index: int) -> bool:
+        return self.service.caught_up(self.publishers.last_seqs(round_index))
+
+    def rss_bytes(self) -> int:
+        return self.service.rss_bytes()
+
+    def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]:
+        return "/v1/score", self.service.score_body(token_ids=token_ids)
+
+    def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]:
+        return "/v1/score", self.service.score_body(block_hashes=event_hashes)
+
+    def blocks_per_engine(self, response: Any) -> dict[int, int]:
+        return blocks_per_engine_kvindex(response)
+
+
+class DynamoSubject:
+    name = "Dynamo"
+
+    def __init__(self, indexer: DynamoIndexer, events_per_round: int) -> None:
+        self.indexer = indexer
+        self.events_per_round = events_per_round
+        self.port = indexer.port
+
+    def caught_up(self, round_index: int) -> bool:
+        return sum(self.indexer.events_applied().values()) >= (round_index + 1) * self.events_per_round
+
+    def rss_bytes(self) -> int:
+        return self.indexer.rss_bytes()
+
+    def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]:
+        body = {"token_ids": list(token_ids), "model_name": self.indexer.model_name}
+        return "/query", json.dumps(body).encode()
+
+    def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]:
+        # Dynamo cannot take vLLM's event hashes; a router would hold Dynamo's own, so they are precomputed.
+        local = dynamo_local_hashes(token_ids, self.indexer.block_size)
+        body = {"block_hashes": local, "model_name": self.indexer.model_name}
+        return "/query_by_hash", json.dumps(body).encode()
+
+    def blocks_per_engine(self, response: Any) -> dict[int, int]:
+        return blocks_per_engine_dynamo(response, self.indexer.block_size)
+
+
+@contextmanager
+def start_subject(kind: str, publishers: Publishers, workload: Workload) -> Iterator[Subject]:
+    spec = workload.spec
+    if kind == "kvindex":
+        with KvindexService(
+            publishers.endpoints, hash_seed=spec.hash_seed, block_size=spec.block_size
+        ) as svc:
+            yield KvindexSubject(svc, publishers)
+    else:
+        workers = {index + 1: endpoint for index, endpoint in enumerate(publishers.endpoints)}
+        startup_s = 60.0 + len(workers) * 0.2
+        with DynamoIndexer(workers, block_size=spec.block_size, startup_timeout_s=startup_s) as indexer:
+            yield DynamoSubject(indexer, workload.num_events)
+
+
+# --- measurements -------------------------------------------------------------------------------
+
+
+@dataclass
+class Latencies:
+    samples_s: list[float] = field(default_factory=list)
+    checked: int = 0
+    correct: int = 0
+
+    def percentile_ms(self, fraction: float) -> float | None:
+        if not self.samples_s:
+            return None
+        ordered = sorted(self.samples_s)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1e3
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "count": len(self.samples_s),
+            "p50_ms": self.percentile_ms(0.5),
+            "p99_ms": self.percentile_ms(0.99),
+            "checked": self.checked,
+            "correct": self.correct,
+        }
+
+
+@dataclass
+class SubjectResult:
+    name: str
+    pairs: int
+    ingest_s: float | None = None
+    publish_s: float | None = None
+    rss_before: int | None = None
+    rss_after: int | None = None
+    idle: dict[str, Latencies] = field(default_factory=dict)
+    during: dict[str, Latencies] = field(default_factory=dict)
+    during_ingest_s: float | None = None
+    error: str | None = None
+
+    @property
+    def blocks_per_s(self) -> float | None:
+        return self.pairs / self.ingest_s if self.ingest_s else None
+
+    @property
+    def bytes_per_pair(self) -> float | None:
+        if self.rss_before is None or self.rss_after is None:
+            return None
+        return (self.rss_after - self.rss_before) / self.pairs
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pairs": self.pairs,
+            "ingest_s": self.ingest_s,
+            "publish_s": self.publish_s,
+            "blocks_per_s": self.blocks_per_s,
+            "rss_before": self.rss_before,
+            "rss_after": self.rss_after,
+            "bytes_per_pair": self.bytes_per_pair,
+            "idle": {kind: lat.summary() for kind, lat in self.idle.items()},
+            "during": {kind: lat.summary() for kind, lat in self.during.items()},
+            "during_ingest_s": self.during_ingest_s,
+            "error": self.error,
+        }
+
+
+def _timed_post(client: JsonClient, path: str, body: bytes) -> tuple[float, Any]:
+    began = time.perf_counter()
+    response = client.request("POST", path, body)
+    return time.perf_counter() - began, response
+
+
+def _requests(
+    subject: Subject, workload: Workload, kinds: Sequence[str]
+) -> dict[str, list[tuple[str, bytes]]]:
+    made: dict[str, list[tuple[str, bytes]]] = {}
+    for kind in kinds:
+        if kind == "tokens":
+            made[kind] = [subject.token_request(q.token_ids) for q in workload.queries]
+        else:
+            made[kind] = [subject.hash_request(q.token_ids, q.event_hashes) for q in workload.queries]
+    return made
+
+
+def time_queries(
+    subject: Subject,
+    workload: Workload,
+    requests: dict[str, list[tuple[str, bytes]]],
+    *,
+    keep_going: Callable[[], bool] | None = None,
+    max_rounds: int = 1,
+) -> dict[str, Latencies]:
+    """Time every request (kinds interleaved) and check each answer against the brute-force overlaps.
+
+    With `keep_going`, cycle through the queries (at most `max_rounds` times) while it stays true,
+    asking it every 10 queries: used to sample only while an ingest round is still running.
+    """
+    client = JsonClient(subject.port)
+    results = {kind: Latencies() for kind in requests}
+    try:
+        for path, body in next(iter(requests.values()))[:3]:  # connection + code-path warm-up, untimed
+            client.request("POST", path, body)
+        asked = 0
+        for _ in range(max_rounds):
+            for index, query in enumerate(workload.queries):
+                for kind, kind_requests in requests.items():
+                    elapsed, response = _timed_post(client, *kind_requests[index])
+                    results[kind].samples_s.append(elapsed)
+                    results[kind].checked += 1
+                    results[kind].correct += subject.blocks_per_engine(response) == query.expected_blocks
+                asked += 1
+                if keep_going is not None and asked % 10 == 0 and not keep_going():
+                    return results
+            if keep_going is None or not keep_going():
+                break
+    finally:
+        client.close()
+    return results
+
+
+def run_subject(
+    kind: str,
+    workload: Workload,
+    payloads: list[list[bytes]],
+    *,
+    measure_during: bool,
+    query_kinds: Sequence[str],
+    ingest_timeout_s: float,
+) -> SubjectResult:
+    """One service on its own: start, attach, ingest round 0 (timed), RSS, idle queries, round 1 + queries."""
+    result = SubjectResult(kind, workload.num_blocks)
+    with Publishers(payloads) as publishers, start_subject(kind, publishers, workload) as subject:
+        publishers.await_subscribers()
+        result.rss_before = subject.rss_bytes()
+        publishers.start_round(0)
+        await_condition(lambda: subject.caught_up(0), ingest_timeout_s, f"{kind} to ingest round 0", POLL_S)
+        done = time.monotonic()
+        first, last = publishers.finish_round()
+        result.ingest_s, result.publish_s = done - first, last - first
+        result.rss_after = subject.rss_bytes()
+        requests = _requests(subject, workload, query_kinds)
+        result.idle = time_queries(subject, workload, requests)
+        if measure_during:
+            publishers.start_round(1)
+            result.during = time_queries(
+                subject, workload, requests, keep_going=lambda: not subject.caught_up(1), max_rounds=20
+            )
+            await_condition(
+                lambda: subject.caught_up(1), ingest_timeout_s, f"{kind} to ingest round 1", POLL_S
+            )
+            first, _ = publishers.finish_round()
+            result.during_ingest_s = time.monotonic() - first
+    return result
+
+
+def run_pair(
+    workload: Workload,
+    *,
+    dynamo_ok: bool,
+    measure_during: bool,
+    query_kinds: Sequence[str],
+    ingest_timeout_s: float,
+    log: Callable[[str], None],
+) -> dict[str, SubjectResult]:
+    """kvindex, then Dynamo (if available), on identical payload bytes."""
+    payloads = [encode_engine(engine) for engine in workload.engines]
+    results: dict[str, SubjectResult] = {}
+    for kind in ("kvindex", "Dynamo") if dynamo_ok else ("kvindex",):
+        log(f"  {kind}: {workload.spec.num_engines} engines x {workload.spec.blocks_per_engine} blocks ...")
+        try:
+            results[kind] = run_subject(
+                kind,
+                workload,
+                payloads,
+                measure_during=measure_during,
+                query_kinds=query_kinds,
+                ingest_timeout_s=ingest_timeout_s,
+            )
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            results[kind] = SubjectResult(
+                kind, workload.num_blocks, error=f"{type(exc).__name__}: {exc}"[:300]
+            )
+            log(f"  {kind} failed: {results[kind].error}")
+    return results
+
+
+def build(spec: WorkloadSpec, log: Callable[[str], None]) -> Workload:
+    began = time.perf_counter()
+    workload = build_workload(spec)
+    log(
+        f"  built {spec.num_engines} engines x {spec.blocks_per_engine} blocks "
+        f"({workload.num_events} BlockStored) in {time.perf_counter() - began:.1f}s"
+    )
+    return workload

@@ -1,0 +1,274 @@
+"""A real `kvindex serve` process as a benchmark subject, and the one HTTP client every service is timed with.
+
+`KvindexService` writes a TOML config naming every engine's PUB endpoint, starts
+`python -m kvindex serve --http 127.0.0.1:0 --config FILE` as a subprocess, reads back its port, and drives
+its HTTP API (/v1/pods for per-pod last_seq, /v1/score). `JsonClient` is a keep-alive http.client
+connection used for kvindex and Dynamo alike, so both pay the same client cost.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+
+
+def await_condition(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Return once `condition()` is true; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)  # ok: polling helper with a deadline
+
+
+def process_rss_bytes(pid: int) -> int:
+    """VmRSS of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"VmRSS missing from /proc/{pid}/status")
+
+
+class JsonClient:
+    """One persistent HTTP/1.1 connection to 127.0.0.1:port; reconnects once if the server closed it."""
+
+    def __init__(self, port: int, timeout_s: float = 30.0) -> None:
+        self.port = port
+        self.timeout_s = timeout_s
+        self._connection: http.client.HTTPConnection | None = None
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> Any:
+        """Send `body` (already-encoded JSON) and return the decoded JSON answer; 4xx/5xx raise."""
+        headers = {} if body is None else {"content-type": "application/json"}
+        for attempt in (0, 1):
+            if self._connection is None:
+                self._connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout_s)
+            try:
+                self._connection.request(method, path, body=body, headers=headers)
+                response = self._connection.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if response.status >= 400:
+                raise RuntimeError(f"{method} {path} -> {response.status}: {data[:300]!r}")
+            return json.loads(data)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+
+def pod_id(engine_index: int) -> str:
+    return f"engine-{engine_index}"
+
+
+def engine_index_of(pod: str) -> int:
+    return int(pod.rsplit("-", 1)[1])
+
+
+def config_toml(endpoints: Sequence[str], model: str, hash_seed: str, block_size: int) -> str:
+    """A serve config: one model, one connect-mode pod per engine endpoint (no replay sockets)."""
+    lines = [
+        "[[models]]",
+        f'name = "{model}"',
+        f"block_size = {block_size}",
+        'hash_algo = "sha256"',
+        f'hash_seed = "{hash_seed}"',
+    ]
+    for index, endpoint in enumerate(endpoints):
+        lines += ["", "[[pods]]", f'id = "{pod_id(index)}"', f'endpoint = "{endpoint}"', f'model = "{model}"']
+    return "\n".join(lines) + "\n"
+
+
+class KvindexService:
+    """One `kvindex serve` subprocess subscribed to `endpoints` (engine i is pod `engine-i`).
+
+    A context manager: start() returns once HTTP answers and every pod is listed; stop() sends SIGTERM,
+    then kills if it lingers, and removes the config file (always, also on errors).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        model: str = "bench",
+        hash_seed: str = "0",
+        block_size: int = 16,
+        python: str | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.model = model
+        self.hash_seed = hash_seed
+        self.block_size = block_size
+        self.python = python or sys.executable
+        self.startup_timeout_s = startup_timeout_s
+        self.port = 0
+        self.client: JsonClient | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._config_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None, "not started"
+        return self._process.pid
+
+    def start(self) -> None:
+        self._config_dir = tempfile.TemporaryDirectory(prefix="kvindex-bench-")
+        config_path = Path(self._config_dir.name) / "serve.toml"
+        config_path.write_text(config_toml(self.endpoints, self.model, self.hash_seed, self.block_size))
+        self._log = tempfile.TemporaryFile()
+        command = [
+            self.python,
+            "-m",
+            "kvindex",
+            "serve",
+            "--http",
+            "127.0.0.1:0",
+            "--config",
+            str(config_path),
+        ]
+        command += ["--log-level", "warning"]
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=self._log, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
+        try:
+            self.port = self._read_port()
+            self.client = JsonClient(self.port)
+            await_condition(
+                lambda: len(self.pods()) == len(self.endpoints), self.startup_timeout_s, "kvindex's pod list"
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read_port(self) -> int:
+        assert self._process is not None and self._process.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        seen = b""
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"kvindex serve exited with {self._process.returncode}: {self.log_tail()}")
+            ready, _, _ = select.select([self._process.stdout], [], [], 0.2)
+            if ready:
+                chunk = os.read(self._process.stdout.fileno(), 4096)
+                seen += chunk
+                match = _LISTENING.search(seen.decode(errors="replace"))
+                if match:
+                    return int(match[1])
+        raise TimeoutError(f"kvindex serve printed no listening line in {self.startup_timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, wait, SIGKILL if it lingers. Idempotent."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.terminate()
+                try:
+                    self._process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait(timeout_s)
+            if self._process.stdout is not None:
+                self._process.stdout.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+            self._config_dir = None
+
+    def __enter__(self) -> KvindexService:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def log_tail(self, num_bytes: int = 2000) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - num_bytes))
+        return self._log.read().decode(errors="replace")
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    def _client(self) -> JsonClient:
+        assert self.client is not None, "not started"
+        return self.client
+
+    def pods(self) -> list[dict[str, Any]]:
+        pods: list[dict[str, Any]] = self._client().request("GET", "/v1/pods")["pods"]
+        return pods
+
+    def last_seqs(self) -> dict[int, int | None]:
+        """Engine index -> the last seq kvindex has applied for it (None before the first)."""
+        return {engine_index_of(pod["pod"]): pod.get("last_seq") for pod in self.pods()}
+
+    def caught_up(self, last_seq_by_engine: Mapping[int, int]) -> bool:
+        seen = self.last_seqs()
+        return all(
+            (seen.get(engine) is not None and seen[engine] >= seq)
+            for engine, seq in last_seq_by_engine.items()
+        )
+
+    def score_body(
+        self, *, token_ids: Sequence[int] | None = None, block_hashes: Sequence[int] | None = None
+    ) -> bytes:
+        body: dict[str, Any] = {"model": self.model}
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        if block_hashes is not None:
+            body["block_hashes"] = list(block_hashes)
+        return json.dumps(body).encode()
+
+    def score(self, body: bytes) -> dict[int, int]:
+        """POST /v1/score with a pre-encoded body: engine index -> matched blocks (0s omitted)."""
+        return blocks_per_engine_kvindex(self._client().request("POST", "/v1/score", body))
+
+    def rss_bytes(self) -> int:
+        return process_rss_bytes(self.pid)
+
+
+def blocks_per_engine_kvindex(response: Mapping[str, Any]) -> dict[int, int]:
+    """kvindex's /v1/score answer -> engine index -> matched blocks."""
+    return {
+        engine_index_of(entry["pod"]): int(entry["matched_blocks"])
+        for entry in response.get("scores", [])
+        if entry["matched_blocks"] > 0
+    }
+
+
+def blocks_per_engine_dynamo(response: Mapping[str, Any], block_size: int) -> dict[int, int]:
+    """Dynamo's /query answer ({"scores": {worker_id: {dp_rank: tokens}}}, worker id = engine + 1)."""
+    result: dict[int, int] = {}
+    for worker_id, by_rank in response.get("scores", {}).items():
+        best = max(by_rank.values()) if by_rank else 0
+        if best > 0:
+            result[int(worker_id) - 1] = best // block_size
+    return result
