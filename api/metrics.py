@@ -8,9 +8,10 @@ blocks, status codes) are owned by the API and live in a per-app registry, so te
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import msgspec
 from kvindex.indexer.status import (
     STATE_DISCONNECTED,
     STATE_HASH_MISMATCH,
@@ -57,6 +58,134 @@ class MetricsSource(Protocol):
     def model(self, name: str) -> _ModelRuntime | None: ...
 
 
+# Every IngestCounters field -> (metric name, help, label of a per-key field or None). Exported as a
+# counter, so the exposition name ends in `_total`. A field missing here is still exported under
+# kvindex_ingest_<field> (tests/api/test_metrics.py walks the struct and insists it is listed here).
+COUNTER_METRICS: dict[str, tuple[str, str, str | None]] = {
+    "events_applied": ("kvindex_events_applied", "KV events applied to the index, by event type.", "type"),
+    "dropped": ("kvindex_events_dropped", "Events or messages dropped, by reason.", "reason"),
+    "gaps": ("kvindex_gaps", "Sequence gaps detected in pod event streams.", None),
+    "history_lost": (
+        "kvindex_history_lost",
+        "Gaps the engine's replay ring no longer covered (the pod's entries were cleared; it resyncs).",
+        None,
+    ),
+    "duplicates": (
+        "kvindex_duplicates",
+        "Live batches skipped as already applied (normal right after a replay).",
+        None,
+    ),
+    "replays": ("kvindex_replays", "Replay requests to engines, by outcome.", "outcome"),
+    "restarts": ("kvindex_restarts", "Engine restarts detected (sequence went back).", None),
+    "hash_mismatches": (
+        "kvindex_hash_mismatches",
+        "Sampled BlockStored events whose recomputed hashes differ.",
+        None,
+    ),
+    "unknown_parents": (
+        "kvindex_unknown_parents",
+        "BlockStored events whose parent block the index does not hold.",
+        None,
+    ),
+    "block_size_mismatches": (
+        "kvindex_block_size_mismatches",
+        "BlockStored events whose block size differs from the model's.",
+        None,
+    ),
+    "non_prefix_group_events": (
+        "kvindex_non_prefix_group_events",
+        "Events of KV-cache groups kept out of prefix scoring.",
+        None,
+    ),
+}
+
+# Label values exported at 0 before they first happen, so rate() and alerts see the series from the start.
+KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "events_applied": ("BlockStored", "BlockRemoved", "AllBlocksCleared"),
+    # "unavailable": a gap or join on a stream with no replay endpoint configured.
+    "replays": ("ok", "history_lost", "timeout", "error", "unavailable"),
+}
+
+_STREAM_LABELS = ["pod", "dp_rank", "model"]
+
+
+def ingest_counter_families(counters: IngestCounters) -> list[CounterMetricFamily]:
+    """One counter family per IngestCounters field, in field order."""
+    families = []
+    for field in msgspec.structs.fields(IngestCounters):
+        value = getattr(counters, field.name)
+        name, help_text, label = COUNTER_METRICS.get(
+            field.name, (f"kvindex_ingest_{field.name}", f"IngestCounters.{field.name}", "key")
+        )
+        if isinstance(value, dict):
+            values = {key: 0 for key in KNOWN_LABEL_VALUES.get(field.name, ())} | value
+            families.append(_labelled_counter(name, help_text, label or "key", values))
+        else:
+            family = CounterMetricFamily(name, help_text)
+            family.add_metric([], value)
+            families.append(family)
+    return families
+
+
+def pod_families(statuses: Sequence[PodStatus]) -> list[Metric]:
+    """Per (pod, dp rank) stream: info, state one-hot, blocks, last seq, event age, per-stream counters."""
+    info = GaugeMetricFamily(
+        "kvindex_pod_info",
+        "Always 1; labels name the stream and where it is read from.",
+        labels=[*_STREAM_LABELS, "endpoint"],
+    )
+    age = GaugeMetricFamily(
+        "kvindex_pod_last_event_age_seconds",
+        "Seconds since the pod's last event (absent before its first).",
+        labels=_STREAM_LABELS,
+    )
+    state = GaugeMetricFamily(
+        "kvindex_pod_state", "Pod stream state, one-hot over the states.", labels=[*_STREAM_LABELS, "state"]
+    )
+    blocks = GaugeMetricFamily(
+        "kvindex_pod_blocks", "Blocks the index holds for the pod.", labels=_STREAM_LABELS
+    )
+    last_seq = GaugeMetricFamily(
+        "kvindex_pod_last_seq", "Last batch seq applied (absent before the first).", labels=_STREAM_LABELS
+    )
+    partial = GaugeMetricFamily(
+        "kvindex_pod_partial_view",
+        "1 if the stream joined after the engine's replay ring had moved past seq 0.",
+        labels=_STREAM_LABELS,
+    )
+    per_stream = {
+        "events_total": CounterMetricFamily(
+            "kvindex_pod_events", "Events applied, per stream.", labels=_STREAM_LABELS
+        ),
+        "gaps_total": CounterMetricFamily(
+            "kvindex_pod_gaps", "Sequence gaps, per stream.", labels=_STREAM_LABELS
+        ),
+        "replays_total": CounterMetricFamily(
+            "kvindex_pod_replays", "Replay requests, per stream.", labels=_STREAM_LABELS
+        ),
+        "hash_mismatches_total": CounterMetricFamily(
+            "kvindex_pod_hash_mismatches", "Sampled hash mismatches, per stream.", labels=_STREAM_LABELS
+        ),
+        "restarts_total": CounterMetricFamily(
+            "kvindex_pod_restarts", "Engine restarts detected, per stream.", labels=_STREAM_LABELS
+        ),
+    }
+    for status in statuses:
+        stream = [status.pod, str(status.dp_rank), status.model]
+        info.add_metric([*stream, status.endpoint], 1.0)
+        if status.last_event_age_s is not None:
+            age.add_metric(stream, status.last_event_age_s)
+        if status.last_seq is not None:
+            last_seq.add_metric(stream, status.last_seq)
+        blocks.add_metric(stream, status.blocks)
+        partial.add_metric(stream, 1.0 if status.partial_view else 0.0)
+        for name in POD_STATES:
+            state.add_metric([*stream, name], 1.0 if status.state == name else 0.0)
+        for field_name, family in per_stream.items():
+            family.add_metric(stream, getattr(status, field_name))
+    return [info, age, state, blocks, last_seq, partial, *per_stream.values()]
+
+
 class IngestCollector(Collector):
     """Turns the service's plain counters and statuses into metric families at scrape time."""
 
@@ -68,71 +197,8 @@ class IngestCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        counters = self._source.counters()
-        yield _labelled_counter(
-            "kvindex_events_applied",
-            "KV events applied to the index, by event type.",
-            "type",
-            counters.events_applied,
-        )
-        yield _labelled_counter(
-            "kvindex_events_dropped", "Events or messages dropped, by reason.", "reason", counters.dropped
-        )
-        yield _labelled_counter(
-            "kvindex_replays", "Replay requests to engines, by outcome.", "outcome", counters.replays
-        )
-        for name, help_text, value in (
-            ("kvindex_gaps", "Sequence gaps detected in pod event streams.", counters.gaps),
-            ("kvindex_restarts", "Engine restarts detected (sequence went back).", counters.restarts),
-            (
-                "kvindex_hash_mismatches",
-                "Sampled BlockStored events whose recomputed hashes differ.",
-                counters.hash_mismatches,
-            ),
-            (
-                "kvindex_block_size_mismatches",
-                "BlockStored events whose block size differs from the model's.",
-                counters.block_size_mismatches,
-            ),
-            (
-                "kvindex_unknown_parents",
-                "BlockStored events whose parent block the index does not hold.",
-                counters.unknown_parents,
-            ),
-            (
-                "kvindex_non_prefix_group_events",
-                "Events of KV-cache groups kept out of prefix scoring.",
-                counters.non_prefix_group_events,
-            ),
-        ):
-            family = CounterMetricFamily(name, help_text)
-            family.add_metric([], value)
-            yield family
-
-        statuses = self._source.pod_statuses()
-        age = GaugeMetricFamily(
-            "kvindex_pod_last_event_age_seconds",
-            "Seconds since the pod's last event (absent before its first).",
-            labels=["pod", "dp_rank", "model"],
-        )
-        state = GaugeMetricFamily(
-            "kvindex_pod_state",
-            "Pod stream state, one-hot over the states.",
-            labels=["pod", "dp_rank", "model", "state"],
-        )
-        blocks = GaugeMetricFamily(
-            "kvindex_pod_blocks", "Blocks the index holds for the pod.", labels=["pod", "dp_rank", "model"]
-        )
-        for status in statuses:
-            stream = [status.pod, str(status.dp_rank), status.model]
-            if status.last_event_age_s is not None:
-                age.add_metric(stream, status.last_event_age_s)
-            blocks.add_metric(stream, status.blocks)
-            for name in POD_STATES:
-                state.add_metric([*stream, name], 1.0 if status.state == name else 0.0)
-        yield age
-        yield state
-        yield blocks
+        yield from ingest_counter_families(self._source.counters())
+        yield from pod_families(self._source.pod_statuses())
 
         keys = GaugeMetricFamily("kvindex_index_keys", "Block keys in the index.", labels=["model"])
         entries = GaugeMetricFamily(

@@ -4,15 +4,27 @@ request metrics, from a real server fed by a real engine stream."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import aiohttp
+import msgspec
 import pytest
-from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
+from api_harness import (
+    TEST_INGEST,
+    Engine,
+    ServerThread,
+    new_engine,
+    start_service,
+    wait_for,
+    wait_until_ingested,
+)
 from kvindex.api.app import create_app
+from kvindex.api.metrics import COUNTER_METRICS, KNOWN_LABEL_VALUES, ingest_counter_families
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.ingest import IngestService
-from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.model import ModelConfig, PodConfig
+from kvindex.indexer.status import IngestCounters
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = ModelConfig(name="m", block_size=16, hash_seed="0")
@@ -43,11 +55,15 @@ async def fetch(method: str, url: str, json: object = None) -> tuple[int, str]:
             return response.status, await response.text()
 
 
-def scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape_text(server: ServerThread) -> str:
     status, text = asyncio.run(fetch("GET", server.url + "/metrics"))
     assert status == 200
+    return text
+
+
+def scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     samples = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(scrape_text(server)):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
@@ -77,6 +93,17 @@ def test_ingest_metrics_reflect_what_the_engine_published(
     assert samples[("kvindex_pod_blocks", stream)] == 4  # 5 stored, 1 removed
     assert samples[("kvindex_index_keys", (("model", "m"),))] == 4
     assert samples[("kvindex_index_entries", (("model", "m"),))] == 4
+    assert samples[("kvindex_pod_events_total", stream)] == 3
+    assert samples[("kvindex_pod_last_seq", stream)] == engine.publisher.last_seq
+    assert (
+        samples[("kvindex_pod_info", tuple(sorted((*stream, ("endpoint", engine.publisher.endpoint)))))] == 1
+    )
+    # Counters that have not happened yet are still exported, at 0.
+    assert samples[("kvindex_history_lost_total", ())] == 0
+    assert ("kvindex_duplicates_total", ()) in samples
+    for outcome in ("ok", "history_lost", "timeout", "error", "unavailable"):
+        assert ("kvindex_replays_total", (("outcome", outcome),)) in samples
+    assert samples[("kvindex_events_applied_total", (("type", "AllBlocksCleared"),))] == 0
 
 
 def test_request_metrics(served: tuple[IngestService, ServerThread, Engine]) -> None:
@@ -103,3 +130,68 @@ def test_each_app_has_its_own_registry(served: tuple[IngestService, ServerThread
     # Building several apps over one service must not collide in a global registry.
     first, second = create_app(service), create_app(service)
     assert first is not second
+
+
+def test_every_ingest_counter_field_is_exported() -> None:
+    # Walk the struct, so a field added to IngestCounters cannot be forgotten here.
+    fields = msgspec.structs.fields(IngestCounters)
+    values = {}
+    for i, field in enumerate(fields):
+        assert field.name in COUNTER_METRICS, f"IngestCounters.{field.name} has no entry in COUNTER_METRICS"
+        values[field.name] = {"probe": 1000 + i} if field.type == dict[str, int] else 1000 + i
+    counters = msgspec.convert(values, IngestCounters)
+    exported = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in ingest_counter_families(counters)
+        for sample in family.samples
+    }
+    for i, field in enumerate(fields):
+        name, _, label = COUNTER_METRICS[field.name]
+        assert name.startswith("kvindex_") and not name.endswith("_total")
+        labels = ((label, "probe"),) if label is not None else ()
+        assert exported[(name + "_total", labels)] == 1000 + i, field.name
+    for field_name, known in KNOWN_LABEL_VALUES.items():
+        name, _, label = COUNTER_METRICS[field_name]
+        for value in known:
+            assert exported[(name + "_total", ((label, value),))] == 0
+
+
+METRIC_NAME = re.compile(r"kvindex_[a-z][a-z0-9_]*")
+
+
+def test_metric_names_follow_prometheus_conventions(
+    served: tuple[IngestService, ServerThread, Engine],
+) -> None:
+    _, server, _ = served
+    families = list(text_string_to_metric_families(scrape_text(server)))
+    assert families
+    for family in families:
+        assert METRIC_NAME.fullmatch(family.name), family.name
+        assert family.documentation, f"{family.name} has no HELP"
+        if family.type == "counter":
+            for sample in family.samples:
+                assert sample.name in (family.name + "_total", family.name + "_created"), sample.name
+        else:
+            assert not family.name.endswith("_total"), (
+                f"{family.name} is a {family.type} named like a counter"
+            )
+        if family.name.endswith(("_seconds", "_age_seconds")):
+            assert family.type in ("gauge", "histogram")
+
+
+def test_replay_unavailable_is_counted_for_a_stream_without_replay() -> None:
+    engine = new_engine("pod-noreplay", "m")
+    pod = PodConfig(
+        pod_id="pod-noreplay", endpoint=engine.publisher.endpoint, model="m", replay_endpoint=None
+    )
+    service = IngestService([MODEL], [pod], settings=TEST_INGEST)
+    service.start()
+    server = ServerThread(service).start()
+    try:
+        # Joining needs a replay from seq 0; with no endpoint that is an `unavailable` replay.
+        key = ("kvindex_replays_total", (("outcome", "unavailable"),))
+        wait_for(lambda: scrape(server).get(key, 0) >= 1, what="an unavailable replay to be counted")
+    finally:
+        server.stop()
+        service.stop()
+        engine.publisher.close()
