@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -358,5 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds through every context manager, so services and the publisher are stopped.
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; every service and publisher process was stopped", file=sys.stderr)
+        sys.exit(130)
