@@ -36,14 +36,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--listen",
+        action="append",
         metavar="ENDPOINT",
-        help="bind mode: bind a SUB socket here for engines that dial in (topic kv@<pod>@<model>)",
+        help="bind mode: bind a SUB socket here for engines that dial in (topic kv@<pod>@<model>); repeatable. "
+        "vLLM offsets the endpoint an engine dials by its data-parallel rank (rank r of "
+        "tcp://kvindex:5557 dials port 5557+r), so bind one --listen per rank: "
+        "--listen tcp://*:5557 --listen tcp://*:5558 for DP size 2",
     )
     parser.add_argument(
         "--listen-replay",
         metavar="TEMPLATE",
-        help="bind mode: replay endpoint of a pod that dialled in, e.g. tcp://{pod}:5558 "
-        "(placeholders {pod} and {model}; vLLM's DP port offset is added for ranks > 0); default: no replay",
+        help="bind mode: replay endpoint of a pod that dialled in, e.g. tcp://{pod}:5558 (placeholders {pod} "
+        "and {model}; no rank placeholder: rank r > 0 is reached at the template's port + r, as vLLM offsets "
+        "each rank's replay socket); default: no replay, so a gap clears the pod until it resyncs",
     )
     parser.add_argument("--model", metavar="NAME", help="the model served (or the one the next flags change)")
     parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
@@ -76,6 +81,40 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(f"cannot set up ingest: {exc}") from None
     return asyncio.run(_serve(service, config))
+
+
+def _log_settings(service: IngestService, config: ServeConfig) -> None:
+    """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
+    for model in config.models:
+        runtime = service.model(model.name)
+        root = runtime.hasher.root.hex()[:16] if runtime is not None else "?"
+        seed = "unset" if model.hash_seed is None else repr(model.hash_seed)
+        logger.info(
+            "model %s: block size %d, hash algo %s, seed %s (%s), root %s…, prefix groups %s",
+            model.name,
+            model.block_size,
+            model.hash_algo,
+            seed,
+            config.seed_sources.get(model.name, "?"),
+            root,
+            ",".join(str(group) for group in sorted(model.prefix_group_idxs)),
+        )
+    for pod in config.pods:
+        logger.info(
+            "pod %s dp rank %d (model %s): events %s, replay %s",
+            pod.pod_id,
+            pod.dp_rank,
+            pod.model,
+            pod.endpoint,
+            pod.replay_endpoint or "none (gaps lose history)",
+        )
+    for asked, bound in zip(config.listen, service.listen_endpoints, strict=False):
+        logger.info(
+            "listening for engines on %s (bound %s), replay template %s",
+            asked,
+            bound,
+            config.ingest.listen_replay_template or "none (gaps lose history)",
+        )
 
 
 def _configure_logging(level: str) -> None:
@@ -114,13 +153,7 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
         host, port = runner.addresses[0][:2]
         shown_host = f"[{host}]" if ":" in host else host
         print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
-        logger.info(
-            "serving %d model(s) %s, %d pod(s)%s",
-            len(config.models),
-            ", ".join(m.name for m in config.models),
-            len(config.pods),
-            f", listening for engines on {config.listen}" if config.listen else "",
-        )
+        _log_settings(service, config)
         await stop.wait()
         logger.info("signal received, stopping")
     finally:

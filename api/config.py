@@ -51,10 +51,14 @@ class ApiSettings(msgspec.Struct, frozen=True):
 class ServeConfig(msgspec.Struct, frozen=True):
     models: tuple[ModelConfig, ...]
     pods: tuple[PodConfig, ...]
-    listen: str | None
+    # Bind mode: one SUB bound per endpoint (vLLM's DP rank r dials the engine's port + r); () = off.
+    listen: tuple[str, ...]
     ingest: IngestSettings
     api: ApiSettings
     log_level: str = "info"
+    # model name -> where its hash seed came from: "--hash-seed", "config file", "PYTHONHASHSEED" or
+    # "unset: vLLM default" (logged at start-up so operators can check it against the engines).
+    seed_sources: dict[str, str] = {}
 
 
 # --- the TOML file, as written by an operator ------------------------------------------------------
@@ -102,7 +106,7 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
 
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     http: str | None = None
-    listen: str | None = None
+    listen: str | list[str] | None = None
     listen_replay: str | None = None
     log_level: str | None = None
     models: list[_ModelSection] = []
@@ -191,15 +195,17 @@ def build_serve_config(args: Any, env: Mapping[str, str]) -> ServeConfig:
     """
     file = load_config_file(args.config) if args.config else _ConfigFile()
 
-    models = _merge_models(file.models, args, env)
+    models, seed_sources = _merge_models(file.models, args, env)
     model_names = [model.name for model in models]
     pods = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
 
-    listen = args.listen or file.listen
+    listen = _listen_endpoints(args.listen, file.listen)
     listen_replay = args.listen_replay or file.listen_replay
-    if listen_replay is not None and listen is None:
+    if listen_replay is not None and not listen:
         raise ConfigError("--listen-replay only applies with --listen (bind mode)")
-    if not pods and listen is None:
+    if listen_replay is not None:
+        _check_replay_template(listen_replay)
+    if not pods and not listen:
         raise ConfigError("nothing to subscribe to: give at least one --pod ID=ENDPOINT or --listen ENDPOINT")
 
     host, port = parse_host_port(args.http or file.http or DEFAULT_HTTP)
@@ -236,8 +242,48 @@ def build_serve_config(args: Any, env: Mapping[str, str]) -> ServeConfig:
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log level must be one of debug, info, warning, error, got {log_level!r}")
     return ServeConfig(
-        models=tuple(models), pods=tuple(pods), listen=listen, ingest=ingest, api=api, log_level=log_level
+        models=tuple(models),
+        pods=tuple(pods),
+        listen=listen,
+        ingest=ingest,
+        api=api,
+        log_level=log_level,
+        seed_sources=seed_sources,
     )
+
+
+def _listen_endpoints(flags: Sequence[str] | None, file_listen: str | list[str] | None) -> tuple[str, ...]:
+    """--listen flags (repeatable) replace the file's `listen` (a string or a list); duplicates refused."""
+    if flags:
+        endpoints, source = list(flags), "--listen"
+    elif isinstance(file_listen, str):
+        endpoints, source = [file_listen], "listen"
+    else:
+        endpoints, source = list(file_listen or ()), "listen"
+    seen: set[str] = set()
+    for endpoint in endpoints:
+        if not endpoint:
+            raise ConfigError(f"{source} must name an endpoint, e.g. tcp://*:5557")
+        # An ephemeral port (":*" or ":0") binds a fresh socket each time; only a fixed one can clash.
+        if endpoint in seen and not endpoint.endswith((":*", ":0")):
+            raise ConfigError(
+                f"{source} {endpoint} is given twice; bind each endpoint once (one per DP rank)"
+            )
+        seen.add(endpoint)
+    return tuple(endpoints)
+
+
+def _check_replay_template(template: str) -> None:
+    """The ingest service fills in {pod} and {model} only; anything else would fail per pod at run time."""
+    hint = "use the placeholders {pod} and {model} only, e.g. tcp://{pod}:5558"
+    try:
+        template.format(pod="pod", model="model")
+    except KeyError as exc:
+        raise ConfigError(
+            f"--listen-replay {template!r} uses the unknown placeholder {{{exc.args[0]}}}; {hint}"
+        ) from None
+    except (IndexError, ValueError) as exc:
+        raise ConfigError(f"--listen-replay {template!r} is not a valid template ({exc}); {hint}") from None
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -245,13 +291,16 @@ def _check_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name} must be > 0, got {value}")
 
 
-def _merge_models(sections: Sequence[_ModelSection], args: Any, env: Mapping[str, str]) -> list[ModelConfig]:
+def _merge_models(
+    sections: Sequence[_ModelSection], args: Any, env: Mapping[str, str]
+) -> tuple[list[ModelConfig], dict[str, str]]:
     env_seed = env.get("PYTHONHASHSEED")
     by_name: dict[str, _ModelSection] = {}
     for section in sections:
         if section.name in by_name:
             raise ConfigError(f"model {section.name!r} is defined twice in the config file")
         by_name[section.name] = section
+    seed_sources = {name: "config file" for name, s in by_name.items() if s.hash_seed is not None}
     if args.model is not None:
         section = by_name.get(args.model) or _ModelSection(name=args.model)
         by_name[args.model] = msgspec.structs.replace(
@@ -274,7 +323,12 @@ def _merge_models(sections: Sequence[_ModelSection], args: Any, env: Mapping[str
         )
     if not by_name:
         raise ConfigError("no model configured: pass --model NAME or a --config file with [[models]]")
-    return [_model_config(section, env_seed) for section in by_name.values()]
+    if args.hash_seed is not None:
+        seed_sources[args.model if args.model is not None else next(iter(by_name))] = "--hash-seed"
+    for name in by_name:
+        if name not in seed_sources:
+            seed_sources[name] = "PYTHONHASHSEED" if env_seed is not None else "unset: vLLM default"
+    return [_model_config(section, env_seed) for section in by_name.values()], seed_sources
 
 
 def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:

@@ -153,7 +153,7 @@ def test_flags_only_and_defaults() -> None:
     assert (config.api.host, config.api.port) == ("0.0.0.0", 8080)
     assert config.api.tier_weights == {"GPU": 1.0, "CPU": 0.8}
     assert 0 < config.api.unknown_tier_weight < config.api.tier_weights["CPU"]
-    assert config.listen is None
+    assert config.listen == ()
 
 
 def test_hash_seed_defaults_to_pythonhashseed_and_the_flag_wins() -> None:
@@ -164,9 +164,44 @@ def test_hash_seed_defaults_to_pythonhashseed_and_the_flag_wins() -> None:
 
 def test_listen_mode_with_replay_template() -> None:
     config = build(["--model", "m", "--listen", "tcp://*:5557", "--listen-replay", "tcp://{pod}:5558"])
-    assert config.listen == "tcp://*:5557"
+    assert config.listen == ("tcp://*:5557",)
     assert config.ingest.listen_replay_template == "tcp://{pod}:5558"
     assert config.pods == ()
+
+
+def test_listen_is_repeatable_one_per_dp_rank() -> None:
+    config = build(["--model", "m", "--listen", "tcp://*:5557", "--listen", "tcp://*:5558"])
+    assert config.listen == ("tcp://*:5557", "tcp://*:5558")
+
+
+@pytest.mark.parametrize(
+    ("toml_listen", "expected"),
+    [
+        ('"tcp://*:6000"', ("tcp://*:6000",)),
+        ('["tcp://*:6000", "tcp://*:6001"]', ("tcp://*:6000", "tcp://*:6001")),
+    ],
+    ids=["string", "list"],
+)
+def test_toml_listen_is_a_string_or_a_list(
+    tmp_path: Path, toml_listen: str, expected: tuple[str, ...]
+) -> None:
+    path = write(tmp_path, f"listen = {toml_listen}\n[[models]]\nname = 'm'\n")
+    assert build(["--config", path]).listen == expected
+    # --listen flags replace the file's list rather than adding to it.
+    assert build(["--config", path, "--listen", "tcp://*:7000"]).listen == ("tcp://*:7000",)
+
+
+def test_seed_source_of_each_model(tmp_path: Path) -> None:
+    path = write(tmp_path, "[[models]]\nname = 'a'\nhash_seed = '1'\n[[models]]\nname = 'b'\n")
+    listen = ["--listen", "tcp://*:5557"]
+    assert build(["--config", path, *listen], {"PYTHONHASHSEED": "9"}).seed_sources == {
+        "a": "config file",
+        "b": "PYTHONHASHSEED",
+    }
+    assert build(["--config", path, *listen]).seed_sources["b"] == "unset: vLLM default"
+    flagged = build(["--config", path, *listen, "--model", "b", "--hash-seed", "5"], {"PYTHONHASHSEED": "9"})
+    assert flagged.seed_sources == {"a": "config file", "b": "--hash-seed"}
+    assert {m.name: m.hash_seed for m in flagged.models} == {"a": "1", "b": "5"}
 
 
 @pytest.mark.parametrize(
@@ -202,6 +237,12 @@ BAD_CONFIGS = [
     (None, ["--model", "m", "--pod", "p=tcp://h:1,model=other"], "unknown model"),
     (None, ["--model", "m", "--pod", "p=tcp://h:1", "--http", "localhost"], "HOST:PORT"),
     (None, ["--model", "m", "--pod", "p=tcp://h:1", "--block-size", "0"], "block size"),
+    (None, ["--model", "m", "--listen", "tcp://*:1", "--listen", "tcp://*:1"], "given twice"),
+    (None, ["--model", "m", "--listen", ""], "--listen"),
+    ("listen = 5\n[[models]]\nname = 'x'", [], "listen"),
+    (None, ["--model", "m", "--listen-replay", "tcp://{pod}:1", "--pod", "p=tcp://h:1"], "--listen"),
+    (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{dp_rank}:1"], "{pod}"),
+    (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{pod:1"], "{model}"),
 ]
 
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from kvindex.hashing import BlockHasher
 from kvindex.replay.publisher import EventPublisher
+from kvindex.replay.wire import BlockStored
 
 LISTENING = "kvindex serve: listening on "
+TOKENS = list(range(1, 33))
 
 
 @pytest.fixture
@@ -28,15 +34,16 @@ def engine() -> Iterator[EventPublisher]:
         publisher.close()
 
 
-def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """The next stdout line, or fail after `timeout_s` (never blocks forever)."""
-    assert proc.stdout is not None
+def read_line(proc: subprocess.Popen[str], timeout_s: float, *, stderr: bool = False) -> str:
+    """The next stdout (or stderr) line, or fail after `timeout_s` (never blocks forever)."""
+    stream = proc.stderr if stderr else proc.stdout
+    assert stream is not None
     with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(stream, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                return proc.stdout.readline()
+                return stream.readline()
     raise AssertionError(f"no output from kvindex serve within {timeout_s}s")
 
 
@@ -67,3 +74,77 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
     assert "stopped" in stderr  # the shutdown log line
+    # The start-up lines an operator checks the settings with.
+    assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
+    assert (
+        f"pod pod-a dp rank 0 (model m): events {engine.endpoint}, replay {engine.replay_endpoint}" in stderr
+    )
+
+
+def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """Every stderr line of `proc`, read by a thread (a selector cannot see text already buffered)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None
+    stream = proc.stderr
+
+    def pump() -> None:
+        for text in stream:
+            lines.put(text)
+        lines.put("")  # end of stream
+
+    threading.Thread(target=pump, name="serve-stderr", daemon=True).start()
+    return lines
+
+
+def test_serve_binds_one_listen_per_dp_rank() -> None:
+    argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m"]
+    argv += ["--hash-seed", "0", "--listen", "tcp://127.0.0.1:*", "--listen", "tcp://127.0.0.1:*"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = stderr_lines(proc)
+    publisher = None
+    try:
+        line = read_line(proc, 30.0)
+        assert line.startswith(LISTENING), line
+        url = line[len(LISTENING) :].strip()
+        bound: list[str] = []
+        startup_log: list[str] = []
+        while len(bound) < 2:
+            log_line = log.get(timeout=30.0)
+            assert log_line, f"kvindex serve exited: {''.join(startup_log)}"
+            startup_log.append(log_line)
+            match = re.search(r"listening for engines on tcp://127\.0\.0\.1:\* \(bound (\S+)\)", log_line)
+            if match:
+                bound.append(match.group(1))
+        assert "model m: block size 16, hash algo sha256, seed '0' (--hash-seed)" in "".join(startup_log)
+        # Rank 1 of an engine configured with port P dials P + 1 (vLLM's DP offset): aim it at the second.
+        host, _, port = bound[1].rpartition(":")
+        publisher = EventPublisher(f"{host}:{int(port) - 1}", topic="kv@pod-x@m", dp_rank=1)
+        assert publisher.endpoint == bound[1]
+        block_keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(TOKENS)
+        stored = BlockStored(
+            block_hashes=block_keys,
+            parent_block_hash=None,
+            token_ids=TOKENS,
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        deadline = time.monotonic() + 30.0
+        seen: list[object] = []
+        while not seen:
+            # A dialling PUB drops what it sends before our subscription reaches it: publish until seen.
+            assert time.monotonic() < deadline, "rank 1 never showed up in /v1/pods"
+            assert publisher.publish([stored])
+            _, pods = get(url + "/v1/pods")
+            seen = [(p["pod"], p["dp_rank"], p["endpoint"]) for p in pods["pods"]]  # type: ignore[index]
+            time.sleep(0.05)  # ok: polling a condition with a deadline
+        assert seen == [("pod-x", 1, bound[1])]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if publisher is not None:
+            publisher.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
