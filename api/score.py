@@ -29,6 +29,10 @@ from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.scorer import PodScore, score_prefix
 
+# Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
+# blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
+ALWAYS_REPORTED_TIERS = ("GPU", "CPU")
+
 
 class PromptHashers:
     """One BlockHasher per model for one thread.
@@ -155,7 +159,16 @@ def _best_first(pod_scores: Sequence[PodScore]) -> list[PodScoreOut]:
             matched_blocks=s.matched_blocks,
             matched_tokens=s.matched_tokens,
             score=s.score,
-            by_tier=dict(s.by_tier),
+            by_tier=_by_tier(s.by_tier),
         )
         for s in ranked
     ]
+
+
+def _by_tier(runs: dict[str, int]) -> dict[str, int]:
+    """GPU and CPU first (0 when absent), then any other tier with a non-zero run, by name."""
+    by_tier = {tier: runs.get(tier, 0) for tier in ALWAYS_REPORTED_TIERS}
+    for tier in sorted(runs):
+        if tier not in by_tier and runs[tier] > 0:
+            by_tier[tier] = runs[tier]
+    return by_tier

@@ -138,8 +138,8 @@ def reference_scores(
     pods: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """CONTRACT.md by brute force: the leading run each stream holds (any tier); per tier, the leading
-    run held on that tier alone (tiers with none left out); each block of the run weighted by its best
-    tier; zero runs omitted; best first."""
+    run held on that tier alone (GPU and CPU always, 0 when none; other tiers with none left out); each
+    block of the run weighted by its best tier; zero runs omitted; best first."""
     out = []
     for engine in engines:
         if pods is not None and engine.pod_id not in pods:
@@ -152,7 +152,7 @@ def reference_scores(
                 break
             run += 1
             score += max(tier_weights.get(t, unknown_tier_weight) for t in tiers)
-        by_tier: dict[str, int] = {}
+        by_tier: dict[str, int] = {"GPU": 0, "CPU": 0}
         for tier in {t for key in block_keys[:1] for t in engine.held.get(key, set())}:
             tier_run = 0
             while tier_run < len(block_keys) and tier in engine.held.get(block_keys[tier_run], set()):

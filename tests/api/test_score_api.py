@@ -177,14 +177,15 @@ def test_tier_weights(fleet_server: tuple[Fleet, IngestService, ServerThread]) -
     # pod-b: blocks 0..9 on GPU (8..9 also on CPU), 10..15 only on CPU: the GPU run alone is 10 long,
     # and no CPU run starts at block 0.
     assert by_pod[("pod-b", 0)]["matched_blocks"] == 16
-    assert by_pod[("pod-b", 0)]["by_tier"] == {"GPU": 10}
+    assert by_pod[("pod-b", 0)]["by_tier"] == {"GPU": 10, "CPU": 0}
     assert by_pod[("pod-b", 0)]["score"] == pytest.approx(10 * 1.0 + 6 * 0.8)
     # pod-a's 12 GPU blocks score 12.0; pod-b's longer, partly offloaded run scores 14.8 and ranks first.
     # pod-c's ranks hold only the shared system prompt: rank 0 on GPU (8.0), rank 1 on STORAGE (6 x 0.1).
     assert list(by_pod) == [("pod-b", 0), ("pod-a", 0), ("pod-c", 0), ("pod-c", 1)]
     storage = score(server, {"model": "m", "token_ids": fleet.prompt_b})
     rank1 = next(s for s in storage["scores"] if (s["pod"], s["dp_rank"]) == ("pod-c", 1))
-    assert rank1["by_tier"] == {"STORAGE": 6}
+    assert rank1["by_tier"] == {"GPU": 0, "CPU": 0, "STORAGE": 6}
+    assert list(rank1["by_tier"]) == ["GPU", "CPU", "STORAGE"]  # the always-present tiers first
     assert rank1["score"] == pytest.approx(6 * UNKNOWN_WEIGHT)
 
 
