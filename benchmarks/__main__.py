@@ -15,7 +15,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +113,16 @@ def score_table(results: dict[str, SubjectResult]) -> str:
 def memory_rows(results: dict[str, SubjectResult], label: str) -> list[list[object]]:
     ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
     rows: list[list[object]] = []
-    for metric, getter in (
-        ("RSS before ingest MiB", lambda r: r.rss_before / 2**20),
-        ("RSS after ingest MiB", lambda r: r.rss_after / 2**20),
+
+    def mib(value: int | None) -> float | None:
+        return None if value is None else value / 2**20
+
+    figures: list[tuple[str, Callable[[SubjectResult], float | None]]] = [
+        ("RSS before ingest MiB", lambda r: mib(r.rss_before)),
+        ("RSS after ingest MiB", lambda r: mib(r.rss_after)),
         ("bytes per (pod, block) pair", lambda r: r.bytes_per_pair),
-    ):
+    ]
+    for metric, getter in figures:
         a = getter(ours) if ours else None
         b = getter(theirs) if theirs else None
         better = "lower" if metric.startswith("bytes") else "info"

@@ -232,10 +232,11 @@ class KvindexService:
 
     def caught_up(self, last_seq_by_engine: Mapping[int, int]) -> bool:
         seen = self.last_seqs()
-        return all(
-            (seen.get(engine) is not None and seen[engine] >= seq)
-            for engine, seq in last_seq_by_engine.items()
-        )
+        for engine, seq in last_seq_by_engine.items():
+            applied = seen.get(engine)
+            if applied is None or applied < seq:
+                return False
+        return True
 
     def score_body(
         self, *, token_ids: Sequence[int] | None = None, block_hashes: Sequence[int] | None = None
