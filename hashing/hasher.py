@@ -19,7 +19,14 @@ import xxhash
 from kvindex.hashing import cbor_fast
 from kvindex.hashing.algorithms import HashAlgo, event_hash, get_algo, resolve_seed, root_hash
 from kvindex.hashing.errors import HashingError
-from kvindex.hashing.extra_keys import ExtraKeys, MMItem, make_request_extras, per_block_keys, untag
+from kvindex.hashing.extra_keys import (
+    ExtraKeys,
+    MMItem,
+    RequestExtras,
+    make_request_extras,
+    per_block_keys,
+    untag,
+)
 from kvindex.hashing.memo import DigestMemo
 
 # Digests remembered per BlockHasher (~10 MB with their keys): 64 distinct 8k-token prompts, or far more
@@ -30,6 +37,8 @@ _KEY_ITEMSIZE: Final = array("I").itemsize
 
 _IntTuple = tuple[int, ...]
 _NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+# Ids that cannot be a bool in disguise (True and False pack as 1 and 0).
+_AboveOneTuple = tuple[Annotated[int, msgspec.Meta(ge=2)], ...]
 
 try:
     # CPython's built-in SHA-256: same digest as hashlib's OpenSSL one, ~20% cheaper per call on the
@@ -70,6 +79,14 @@ def _prepare(token_ids: Sequence[int]) -> tuple[tuple[int, ...], bytes | None]:
     except msgspec.ValidationError as exc:
         raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
     return tokens, None  # ids >= 2**32: valid, hashed without the memo
+
+
+def _exact_ints(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids as exact ints; HashingError for bools and anything else that is not an int."""
+    try:
+        return msgspec.convert(token_ids, _IntTuple)
+    except msgspec.ValidationError as exc:
+        raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
 
 
 def _event_hashes(digests: list[bytes], digest_size: int) -> list[int]:
@@ -199,7 +216,6 @@ class BlockHasher:
         prompt_embeds_digests: Sequence[bytes] | None,
         lookahead: int,
     ) -> list[bytes]:
-        tokens, token_bytes = _prepare(token_ids)
         request_extras = make_request_extras(
             lora_name=lora_name,
             lora_path=lora_path,
@@ -208,6 +224,63 @@ class BlockHasher:
             prompt_embeds_digests=prompt_embeds_digests,
             lookahead=lookahead,
         )
+        if self._memo is not None and request_extras.is_plain and type(token_ids) in (list, tuple):
+            digests = self._chain_plain(self._memo, token_ids)  # type: ignore[arg-type]
+            if digests is not None:
+                return digests
+        return self._chain_validated(token_ids, request_extras)
+
+    def _chain_plain(self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]) -> list[bytes] | None:
+        """The memoised path for prompts without extra keys: one C pass packs every id (refusing
+        non-ints, negatives and ids >= 2**32), and only the ids that are not memoised are validated
+        exactly. None when the ids do not pack: the caller validates them all and says what is wrong."""
+        packed = array("I")
+        try:
+            packed.fromlist(token_ids if type(token_ids) is list else list(token_ids))
+        except (TypeError, OverflowError):
+            return None
+        token_bytes = packed.tobytes()
+        block_size = self._block_size
+        block_width = _KEY_ITEMSIZE * block_size
+        num_blocks = len(token_ids) // block_size
+        digests: list[bytes] = []
+        low_blocks: list[tuple[int, int]] = []
+        missed_segments = memo.resolve(
+            self._root, token_bytes, block_width, num_blocks, None, digests, low_blocks
+        )
+        # A memo hit proves the values, not the types: True packs as 1. Re-check ids below 2 only.
+        for first, stop in low_blocks:
+            _exact_ints(token_ids[first * block_size : stop * block_size])
+        first_new = len(digests)
+        rest_ids = token_ids[first_new * block_size :]
+        try:
+            # The usual case in one C pass: exact ints, and none below 2 to re-check on later hits.
+            rest: tuple[int, ...] = msgspec.convert(rest_ids, _AboveOneTuple)
+            new_has_low = False
+        except msgspec.ValidationError:
+            rest = _exact_ints(rest_ids)
+            new_has_low = True
+        if first_new < num_blocks:
+            if self._algo.uses_cbor:
+                self._hash_cbor(rest, None, first_new, num_blocks, digests)
+            else:
+                self._hash_pickle(rest, None, first_new, num_blocks, digests)
+            memo.record(
+                self._root,
+                token_bytes,
+                block_width,
+                None,
+                digests,
+                first_new,
+                missed_segments,
+                low_blocks,
+                new_has_low,
+            )
+        return digests
+
+    def _chain_validated(self, token_ids: Sequence[int], request_extras: RequestExtras) -> list[bytes]:
+        """Every id validated up front: prompts with extra keys, memo off, or ids that do not pack."""
+        tokens, token_bytes = _prepare(token_ids)
         block_size = self._block_size
         num_blocks = max(0, (len(tokens) - request_extras.lookahead) // block_size)
         extras: list[ExtraKeys] | None = None
@@ -216,9 +289,10 @@ class BlockHasher:
         digests: list[bytes] = []
         memo = self._memo if token_bytes is not None else None
         missed_segments: list[int] = []
+        low_blocks: list[tuple[int, int]] = []
         if memo is not None and token_bytes is not None:
             missed_segments = memo.resolve(
-                self._root, token_bytes, _KEY_ITEMSIZE * block_size, num_blocks, extras, digests
+                self._root, token_bytes, _KEY_ITEMSIZE * block_size, num_blocks, extras, digests, low_blocks
             )
         first_new = len(digests)
         if first_new < num_blocks:
@@ -236,6 +310,8 @@ class BlockHasher:
                     digests,
                     first_new,
                     missed_segments,
+                    low_blocks,
+                    True,  # safe: these entries' types are never relied on without a re-check
                 )
         return digests
 

@@ -320,3 +320,24 @@ def test_bad_token_inside_a_memoised_prefix_is_still_refused(bad: Any, position:
     with pytest.raises(HashingError, match="non-negative integers"):
         hasher.block_hashes(poisoned)
     assert hasher.block_hashes(tokens) == expected
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
+@pytest.mark.parametrize("position", [0, 5, 255, 256, 300, 319])
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_bool_standing_exactly_for_a_memoised_0_or_1_is_refused(
+    algo: str, position: int, container: Any
+) -> None:
+    """True/False pack exactly like 1/0, so a memo hit alone would vouch for them; it must not."""
+    tokens = [(7 * index) % 3 for index in range(322)]  # 0, 1 and 2 everywhere: segments and tail blocks
+    hasher = BlockHasher(algo=algo, block_size=16, seed="0")
+    expected = reference_chain(algo, "0", 16, tokens)
+    assert hasher.block_hashes(container(tokens)) == expected
+    assert hasher.block_hashes(container(tokens)) == expected  # fully memoised now
+    poisoned = list(tokens)
+    if poisoned[position] == 2:
+        position += 1
+    poisoned[position] = bool(poisoned[position])
+    with pytest.raises(HashingError, match="bool"):
+        hasher.block_hashes(container(poisoned))
+    assert hasher.block_hashes(container(tokens)) == expected
