@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from kvindex.api.config import ApiSettings
 from kvindex.api.metrics import RequestMetrics, build_registry
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
@@ -63,9 +63,8 @@ def _http_exception_response(request: web.Request, exc: web.HTTPException) -> we
     if exc.status < 400:
         raise exc  # a redirect or similar: not an error
     if exc.status == 413:
-        limit = request.app[SETTINGS].max_body_bytes
-        message = f"body: larger than the limit of {limit} bytes"
-    elif exc.status == 404:
+        return _body_too_large(request)
+    if exc.status == 404:
         message = f"path: no route {request.path}"
     elif exc.status == 405:
         message = f"method: {request.method} is not allowed on {request.path}"
@@ -74,6 +73,33 @@ def _http_exception_response(request: web.Request, exc: web.HTTPException) -> we
     response = error_response(exc.status, message)
     if "Allow" in exc.headers:
         response.headers["Allow"] = exc.headers["Allow"]
+    return response
+
+
+def _body_too_large(request: web.Request) -> web.Response:
+    return error_response(413, f"body: larger than the limit of {request.app[SETTINGS].max_body_bytes} bytes")
+
+
+async def expect_body_within_limit(request: web.Request) -> web.Response | None:
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MB): refuse a body whose Content-Length
+    is over the limit before the client sends it, else let it continue (aiohttp's default behaviour).
+
+    aiohttp calls this before the middlewares, so it counts its own 413.
+    """
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() != "100-continue":
+        response = error_response(417, f"request: unknown Expect: {expect}")
+    elif request.content_length is not None and request.content_length > request.app[SETTINGS].max_body_bytes:
+        response = _body_too_large(request)
+    else:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the 100 is not part of the response body
+        return None
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[REQUEST_METRICS].requests.labels(route, str(response.status)).inc()
     return response
 
 
@@ -128,7 +154,7 @@ def create_app(
     score = ScoreHandler(service, settings, request_metrics, executor)
     app.router.add_routes(
         [
-            web.post("/v1/score", score.handle),
+            web.post("/v1/score", score.handle, expect_handler=expect_body_within_limit),
             web.get("/v1/pods", handle_pods),
             web.get("/metrics", handle_metrics),
             web.get("/healthz", handle_healthz),

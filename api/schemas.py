@@ -113,7 +113,8 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
       at most `max_tokens` too, a generous bound since each stands for a whole block);
     - block hashes below 2**64;
     - lora_name, lora_path, cache_salt and mm only with token_ids (block hashes are already hashed);
-      lora_path needs lora_name; mm items lie inside the prompt with a non-empty identifier;
+      lora_path needs lora_name; mm items lie inside the prompt, in prompt order without overlap, with
+      a non-empty identifier;
     - pods, when given, is non-empty.
     """
     has_tokens = request.token_ids is not None
@@ -149,6 +150,7 @@ def _check_length(field: str, length: int, max_length: int) -> None:
 
 
 def _check_mm(items: list[MMItem], num_tokens: int) -> None:
+    previous_end = 0
     for i, item in enumerate(items):
         field = f"mm[{i}]"
         if not item.identifier:
@@ -161,3 +163,11 @@ def _check_mm(items: list[MMItem], num_tokens: int) -> None:
             raise RequestError(
                 field, f"offset {item.offset} + length {item.length} runs past the {num_tokens}-token prompt"
             )
+        # vLLM's placeholders are disjoint and hashed in prompt order; anything else is a client bug.
+        if i > 0 and item.offset < previous_end:
+            raise RequestError(
+                f"{field}.offset",
+                f"{item.offset} overlaps or precedes mm[{i - 1}], which ends at {previous_end}; "
+                "give items in prompt order without overlap",
+            )
+        previous_end = item.offset + item.length

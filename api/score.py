@@ -24,7 +24,7 @@ from kvindex.api.schemas import (
     decode_score_request,
     validate_score_request,
 )
-from kvindex.hashing import BlockHasher, MMItem
+from kvindex.hashing import BlockHasher, HashingError, MMItem
 from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.scorer import PodScore, score_prefix
@@ -53,13 +53,17 @@ class PromptHashers:
         mm = None
         if request.mm is not None:
             mm = [MMItem(identifier=m.identifier, offset=m.offset, length=m.length) for m in request.mm]
-        return hasher.event_hashes(
-            request.token_ids,
-            lora_name=request.lora_name,
-            lora_path=lora_path,
-            cache_salt=request.cache_salt,
-            mm=mm,
-        )
+        try:
+            return hasher.event_hashes(
+                request.token_ids,
+                lora_name=request.lora_name,
+                lora_path=lora_path,
+                cache_salt=request.cache_salt,
+                mm=mm,
+            )
+        except HashingError as exc:
+            # validate_score_request checks what the hasher refuses; this keeps a missed case a 400.
+            raise RequestError("body", f"cannot hash this prompt: {exc}") from None
 
 
 def resolve_model(service: IngestService, model_name: str | None) -> ModelRuntime:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
 from kvindex.api.config import ApiSettings
@@ -132,6 +133,84 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str]] = [
     ("pods not a list", j({"model": "m", "token_ids": [1], "pods": "pod-a"}), 400, "pods"),
     ("pods empty", j({"model": "m", "token_ids": [1], "pods": []}), 400, "pods"),
     ("pod id not a string", j({"model": "m", "token_ids": [1], "pods": [1]}), 400, "pods[0]"),
+    ("pods a list of lists", j({"model": "m", "token_ids": [1], "pods": [["pod-a"]]}), 400, "pods[0]"),
+    ("pod id null", j({"model": "m", "token_ids": [1], "pods": [None]}), 400, "pods[0]"),
+    # More body shapes and nesting.
+    ("body a JSON string", j("token_ids"), 400, "body"),
+    ("body null", b"null", 400, "body"),
+    ("body a number", b"42", 400, "body"),
+    ("nested token lists", j({"model": "m", "token_ids": [[1, 2], [3]]}), 400, "token_ids[0]"),
+    ("nested block hashes", j({"model": "m", "block_hashes": [[1]]}), 400, "block_hashes[0]"),
+    ("block hash far above 2**64", j({"model": "m", "block_hashes": [2**70]}), 400, "block_hashes[0]"),
+    ("block hash below int64", j({"model": "m", "block_hashes": [-(2**63) - 1]}), 400, "block_hashes[0]"),
+    # null means "not given": a required field that is null is missing.
+    ("token_ids null", j({"model": "m", "token_ids": None}), 400, "token_ids"),
+    ("both null", j({"model": "m", "token_ids": None, "block_hashes": None}), 400, "token_ids"),
+    ("model null with two models", j({"model": None, "token_ids": [1]}), 400, "model"),
+    ("mm item null", j({"model": "m", "token_ids": [1], "mm": [None]}), 400, "mm[0]"),
+    ("mm identifier null", j({"model": "m", "token_ids": [1], "mm": [{"identifier": None}]}), 400, "mm[0]"),
+    (
+        "mm offset beyond the prompt",
+        j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "x", "offset": 10, "length": 1}]}),
+        400,
+        "mm[0]",
+    ),
+    (
+        "mm overlapping",
+        j(
+            {
+                "model": "m",
+                "token_ids": [1] * 8,
+                "mm": [
+                    {"identifier": "x", "offset": 0, "length": 4},
+                    {"identifier": "y", "offset": 2, "length": 2},
+                ],
+            }
+        ),
+        400,
+        "mm[1].offset",
+    ),
+    (
+        "mm unsorted",
+        j(
+            {
+                "model": "m",
+                "token_ids": [1] * 8,
+                "mm": [
+                    {"identifier": "x", "offset": 4, "length": 2},
+                    {"identifier": "y", "offset": 0, "length": 2},
+                ],
+            }
+        ),
+        400,
+        "mm[1].offset",
+    ),
+]
+
+# Odd but valid: each must score like a plain request (pod-a holds all 4 blocks of GOOD_TOKENS).
+ODD_GOOD_REQUESTS: list[tuple[str, bytes, str | None]] = [
+    ("text/plain content type", j({"model": "m", "token_ids": GOOD_TOKENS}), "text/plain"),
+    ("no content type", j({"model": "m", "token_ids": GOOD_TOKENS}), None),
+    ("form content type", j({"model": "m", "token_ids": GOOD_TOKENS}), "application/x-www-form-urlencoded"),
+    (
+        "optional fields null",
+        j(
+            {
+                "model": "m",
+                "token_ids": GOOD_TOKENS,
+                "block_hashes": None,
+                "lora_name": None,
+                "lora_path": None,
+                "cache_salt": None,
+                "mm": None,
+                "pods": None,
+            }
+        ),
+        "application/json",
+    ),
+    ("unknown extra key", j({"model": "m", "token_ids": GOOD_TOKENS, "priority": 3}), "application/json"),
+    ("pods naming pod-a", j({"model": "m", "token_ids": GOOD_TOKENS, "pods": ["pod-a", "gone"]}), None),
+    ("whitespace around the document", b"  \n" + j({"model": "m", "token_ids": GOOD_TOKENS}) + b"\n ", None),
 ]
 
 
@@ -164,25 +243,63 @@ def test_bad_request_names_the_field(
     assert "Traceback" not in payload["error"]
 
 
-async def post_oversized(url: str, size: int) -> tuple[int, dict[str, Any] | None]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        body = b'{"model": "m", "token_ids": [' + b"1," * (size // 2) + b"1]}"
-        try:
-            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
-                return response.status, await response.json()
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-            # The server may answer 413 and close before the client finished sending.
-            return -1, None
-
-
-def test_ten_megabyte_body_is_refused(server: tuple[IngestService, ServerThread, Engine]) -> None:
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [row[2:0:-1] for row in ODD_GOOD_REQUESTS],
+    ids=[row[0] for row in ODD_GOOD_REQUESTS],
+)
+def test_odd_but_valid_requests_score(
+    server: tuple[IngestService, ServerThread, Engine], content_type: str | None, body: bytes
+) -> None:
     _, http, _ = server
-    status, payload = asyncio.run(post_oversized(http.url + "/v1/score", 10 * 1024 * 1024))
-    assert status in (413, -1)
-    if status == 413:
-        assert payload is not None and payload["error"].startswith("body:")
-        assert str(BODY_LIMIT) in payload["error"]
+    headers = {"Content-Type": content_type} if content_type is not None else {}
+
+    async def post() -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.post(http.url + "/v1/score", data=body, headers=headers) as response:
+                return response.status, await response.json(content_type=None)
+
+    status, payload = asyncio.run(post())
+    assert status == 200, payload
+    assert [(s["pod"], s["matched_blocks"]) for s in payload["scores"]] == [("pod-a", 4)]
+
+
+TEN_MB = 10 * 1024 * 1024
+
+
+async def post_oversized(url: str, size: int, *, expect100: bool) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        body = b'{"model": "m", "token_ids": [' + b"1," * (size // 2) + b"1]}"
+        headers = {"Content-Type": "application/json"}
+        async with session.post(url, data=body, headers=headers, expect100=expect100) as response:
+            return response.status, await response.json()
+
+
+@pytest.mark.parametrize("expect100", [False, True], ids=["plain", "expect-100-continue"])
+def test_ten_megabyte_body_is_refused(
+    server: tuple[IngestService, ServerThread, Engine], expect100: bool
+) -> None:
+    # With `Expect: 100-continue` (what curl sends for big bodies) the 413 comes before the body is sent.
+    _, http, _ = server
+    status, payload = asyncio.run(post_oversized(http.url + "/v1/score", TEN_MB, expect100=expect100))
+    assert status == 413, payload
+    assert payload["error"] == f"body: larger than the limit of {BODY_LIMIT} bytes"
     assert_good_request_scores(http)
+
+
+def test_expect_100_continue_within_the_limit_is_served(
+    server: tuple[IngestService, ServerThread, Engine],
+) -> None:
+    _, http, _ = server
+
+    async def post() -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            body = j({"model": "m", "token_ids": GOOD_TOKENS})
+            async with session.post(http.url + "/v1/score", data=body, expect100=True) as response:
+                return response.status, await response.json()
+
+    status, payload = asyncio.run(post())
+    assert status == 200 and payload["scores"][0]["matched_blocks"] == 4, payload
 
 
 async def request(method: str, url: str) -> tuple[int, dict[str, Any]]:
@@ -201,13 +318,58 @@ def test_unknown_routes_and_methods_are_json_errors(
     assert status == 405 and payload["error"].startswith("method:")
 
 
+def ingest_state(service: IngestService) -> tuple[object, ...]:
+    """What a request must never change. Replay and duplicate counts are left out: quiet-pod probes
+    (TEST_INGEST probes after 0.3 s) replay on their own schedule, whatever the HTTP side does."""
+    counters = msgspec.structs.asdict(service.counters())
+    del counters["replays"], counters["duplicates"]
+    pods = [(p.pod, p.dp_rank, p.state, p.last_seq, p.blocks, p.events_total) for p in service.pod_statuses()]
+    runtime = service.model("m")
+    assert runtime is not None
+    return counters, pods, runtime.index.num_keys(), runtime.index.num_entries()
+
+
+async def mixed_requests(url: str) -> list[tuple[str, int, dict[str, Any]]]:
+    """Every bad request and as many good ones, interleaved and in flight together."""
+    good = j({"model": "m", "token_ids": GOOD_TOKENS})
+    labelled = [(name, body) for name, body, _, _ in BAD_REQUESTS]
+    labelled = [
+        item for pair in zip(labelled, [("good", good)] * len(labelled), strict=True) for item in pair
+    ]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def one(name: str, body: bytes) -> tuple[str, int, dict[str, Any]]:
+            headers = {"Content-Type": "application/json"}
+            async with session.post(url, data=body, headers=headers) as response:
+                return name, response.status, await response.json()
+
+        return await asyncio.gather(*(one(name, body) for name, body in labelled))
+
+
+def test_concurrent_bad_and_good_requests(server: tuple[IngestService, ServerThread, Engine]) -> None:
+    service, http, _ = server
+    before = ingest_state(service)
+    expected = {name: status for name, _, status, _ in BAD_REQUESTS}
+    results = asyncio.run(mixed_requests(http.url + "/v1/score"))
+    for name, status, payload in results:
+        if name == "good":
+            assert status == 200, payload
+            assert [(s["pod"], s["matched_blocks"]) for s in payload["scores"]] == [("pod-a", 4)]
+        else:
+            assert status == expected[name], (name, payload)
+    assert_good_request_scores(http)
+    assert ingest_state(service) == before
+
+
 def test_server_still_serves_and_ingests_after_every_bad_request(
     server: tuple[IngestService, ServerThread, Engine],
 ) -> None:
     service, http, engine = server
+    before = ingest_state(service)
     for _, body, _, _ in BAD_REQUESTS:
         asyncio.run(post_raw(http.url + "/v1/score", body))
     assert_good_request_scores(http)
+    assert ingest_state(service) == before
     # Ingest is undisturbed: a new batch still lands.
     more = list(range(5000, 5000 + 32))
     keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(more)
