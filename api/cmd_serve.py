@@ -60,6 +60,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SEED",
         help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset -> vLLM's rule)",
     )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        metavar="MS",
+        help="the GIL switch interval (sys.setswitchinterval): shorter hands the GIL from ingest threads "
+        "to the score path sooner (default 1; Python's own default is 5)",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML file with models, pods, tiers, limits, ingest")
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log verbosity (default info)"
@@ -76,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     _configure_logging(config.log_level)
+    # Before any ingest thread starts: the score path shares the GIL with them (see config.py).
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
     try:
         service = IngestService(config.models, config.pods, listen=config.listen, settings=config.ingest)
     except ValueError as exc:
@@ -85,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _log_settings(service: IngestService, config: ServeConfig) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
+    logger.info("GIL switch interval %.3g ms", sys.getswitchinterval() * 1000)
     for model in config.models:
         runtime = service.model(model.name)
         root = runtime.hasher.root.hex()[:16] if runtime is not None else "?"

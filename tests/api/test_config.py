@@ -154,6 +154,7 @@ def test_flags_only_and_defaults() -> None:
     assert config.api.tier_weights == {"GPU": 1.0, "CPU": 0.8}
     assert 0 < config.api.unknown_tier_weight < config.api.tier_weights["CPU"]
     assert config.listen == ()
+    assert config.switch_interval_ms == 1.0
 
 
 def test_hash_seed_defaults_to_pythonhashseed_and_the_flag_wins() -> None:
@@ -167,6 +168,13 @@ def test_listen_mode_with_replay_template() -> None:
     assert config.listen == ("tcp://*:5557",)
     assert config.ingest.listen_replay_template == "tcp://{pod}:5558"
     assert config.pods == ()
+
+
+def test_switch_interval_from_file_and_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, "switch_interval_ms = 2.5\n[[models]]\nname = 'm'\n")
+    base = ["--config", path, "--listen", "tcp://*:5557"]
+    assert build(base).switch_interval_ms == 2.5
+    assert build([*base, "--switch-interval-ms", "0.5"]).switch_interval_ms == 0.5
 
 
 def test_listen_is_repeatable_one_per_dp_rank() -> None:
@@ -240,6 +248,7 @@ BAD_CONFIGS = [
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen", "tcp://*:1"], "given twice"),
     (None, ["--model", "m", "--listen", ""], "--listen"),
     ("listen = 5\n[[models]]\nname = 'x'", [], "listen"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1", "--switch-interval-ms", "0"], "--switch-interval-ms"),
     (None, ["--model", "m", "--listen-replay", "tcp://{pod}:1", "--pod", "p=tcp://h:1"], "--listen"),
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{dp_rank}:1"], "{pod}"),
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{pod:1"], "{model}"),

@@ -99,6 +99,7 @@ def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 def test_serve_binds_one_listen_per_dp_rank() -> None:
     argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m"]
     argv += ["--hash-seed", "0", "--listen", "tcp://127.0.0.1:*", "--listen", "tcp://127.0.0.1:*"]
+    argv += ["--switch-interval-ms", "2"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = stderr_lines(proc)
     publisher = None
@@ -116,6 +117,7 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
             if match:
                 bound.append(match.group(1))
         assert "model m: block size 16, hash algo sha256, seed '0' (--hash-seed)" in "".join(startup_log)
+        assert "GIL switch interval 2 ms" in "".join(startup_log)
         # Rank 1 of an engine configured with port P dials P + 1 (vLLM's DP offset): aim it at the second.
         host, _, port = bound[1].rpartition(":")
         publisher = EventPublisher(f"{host}:{int(port) - 1}", topic="kv@pod-x@m", dp_rank=1)
