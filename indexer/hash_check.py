@@ -20,19 +20,25 @@ ALWAYS_CHECK_FIRST = 4
 COMMON_SEEDS: tuple[str | None, ...] = (None, "0")
 
 
+def could_be_checkable(event: BlocksStored, block_size: int) -> bool:
+    """`is_checkable` minus the token count: for events decoded without their token ids (cheap filter
+    before paying for a full decode)."""
+    if event.parent_key is not None or not event.block_keys or event.block_size != block_size:
+        return False
+    if event.lora_name is not None or event.lookahead_token_ids is not None:
+        return False
+    return event.extra_keys is None or all(key is None for key in event.extra_keys)
+
+
 def is_checkable(event: BlocksStored, block_size: int) -> bool:
     """True when the event's keys can be recomputed from its own token_ids with `block_size`.
 
     Needs: a run from block 0 (no parent), no extra keys (LoRA paths, MM, salts are not all published),
     no lookahead, and token_ids covering exactly the blocks (no skipped null blocks).
     """
-    if event.parent_key is not None or not event.block_keys or event.block_size != block_size:
-        return False
-    if event.lora_name is not None or event.lookahead_token_ids is not None:
-        return False
-    if event.extra_keys is not None and any(key is not None for key in event.extra_keys):
-        return False
-    return len(event.token_ids) == len(event.block_keys) * block_size
+    return (
+        could_be_checkable(event, block_size) and len(event.token_ids) == len(event.block_keys) * block_size
+    )
 
 
 def hashes_agree(event: BlocksStored, hasher: BlockHasher) -> bool:

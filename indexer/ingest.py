@@ -24,7 +24,13 @@ from kvindex.indexer.events import (
     KVEvent,
     PodRef,
 )
-from kvindex.indexer.hash_check import HashCheckSampler, diagnose_mismatch, hashes_agree, is_checkable
+from kvindex.indexer.hash_check import (
+    HashCheckSampler,
+    could_be_checkable,
+    diagnose_mismatch,
+    hashes_agree,
+    is_checkable,
+)
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.pod_queues import PodQueues
@@ -68,11 +74,12 @@ class IngestSettings(msgspec.Struct, frozen=True):
 
     num_workers: int = 4  # per-pod ordered workers; a pod always maps to one (FNV-1a of pod id)
     queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
+    max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
     quiet_probe_after_s: float = 5.0  # probe the replay socket when a pod went quiet after activity
     replay_timeout_s: float = 2.0
     hash_check_every: int = 64  # recompute hashes of 1 in N eligible BlockStored events
-    index_shards: int = 16
+    index_shards: int = 1  # under the GIL more shards only add routing work (see KVIndex)
     index_max_keys: int = 50_000_000
     index_max_pods_per_key: int = 256
     # Bind mode: replay endpoint of a pod that dialled in, from its topic `kv@<pod>@<model>`;
@@ -117,9 +124,10 @@ class _Control(msgspec.Struct, frozen=True):
     ref: PodRef | None  # None: every bind-mode stream of the pod
 
 
-# What the tracker carries per seq: the decoded batch, or None when the payload could not be decoded
-# (its seq is still consumed, so it does not look like a gap forever).
-_Item = DecodedBatch | None
+# What the tracker carries per seq: the batch decoded without token ids and its payload (decoded again
+# in full only when the hash check samples it), or None when the payload could not be decoded (its seq
+# is still consumed, so it does not look like a gap forever).
+_Item = tuple[DecodedBatch, bytes] | None
 
 
 class _Stream:
@@ -145,11 +153,11 @@ class _Stream:
 
 
 class _Counters:
-    """IngestCounters behind a lock (several workers update them)."""
+    """IngestCounters behind a lock (several workers update them; `lock` + `values` for bulk updates)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = IngestCounters(events_applied={}, dropped={}, replays={})
+        self.lock = self._lock = threading.Lock()
+        self.values = self._values = IngestCounters(events_applied={}, dropped={}, replays={})
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -216,7 +224,11 @@ class IngestService:
         self._listen_sources: dict[str, str] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._queues: PodQueues[_Live | _Control] = PodQueues(
-            self._handle, num_workers=settings.num_workers, queue_size=settings.queue_size
+            self._handle,
+            num_workers=settings.num_workers,
+            queue_size=settings.queue_size,
+            handle_many=self._handle_many,
+            max_batch=settings.max_batch,
         )
         self._subscriber = Subscriber(
             self._on_frames,
@@ -289,6 +301,11 @@ class IngestService:
         with self._streams_lock:
             streams = sorted(self._streams.values(), key=lambda s: s.ref)
         return [self._status(stream, now) for stream in streams]
+
+    def applied_seqs(self) -> dict[PodRef, int | None]:
+        """Each stream's last applied seq (cheap: no index reads; for progress checks and benchmarks)."""
+        with self._streams_lock:
+            return {ref: stream.tracker.last_applied for ref, stream in self._streams.items()}
 
     def counters(self) -> IngestCounters:
         """A snapshot of the process-wide counters."""
@@ -412,9 +429,26 @@ class IngestService:
     # -- workers: one pod's items, in order ---------------------------------------------------------
 
     def _handle(self, pod_id: str, item: _Live | _Control) -> None:
-        if isinstance(item, _Control):
-            self._handle_control(pod_id, item)
-            return
+        self._handle_many([(pod_id, item)])
+
+    def _handle_many(self, entries: list[tuple[str, _Live | _Control]]) -> None:
+        """Everything a worker drained, in order. Kept events are gathered per stream and applied with
+        one `index.apply` per stream (flushed early before anything that must see them: a clear, a
+        replay, an AllBlocksCleared); counters are added once per call."""
+        acc = _Accumulator()
+        try:
+            for pod_id, item in entries:
+                try:
+                    if type(item) is _Live:
+                        self._handle_live(pod_id, item, acc)
+                    else:
+                        self._handle_control(item, acc)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("ingest worker failed on an item of pod %s", pod_id)
+        finally:
+            self._flush_all(acc)
+
+    def _handle_live(self, pod_id: str, item: _Live, acc: _Accumulator) -> None:
         decoded = self._decode(pod_id, item.seq, item.payload)
         stream = self._source_streams.get(item.source_id)
         if stream is None:
@@ -422,21 +456,24 @@ class IngestService:
         stream.last_live_at = time.monotonic()
         stream.active_since_probe = True
         actions = stream.tracker.on_live(item.seq, decoded, zlib.crc32(item.payload))
-        self._perform(stream, actions)
+        if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
+            self._apply(stream, actions[0].seq, actions[0].item, acc)
+        elif actions:
+            self._perform(stream, actions, acc)
 
-    def _handle_control(self, pod_id: str, item: _Control) -> None:
+    def _handle_control(self, item: _Control, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref) if item.ref is not None else None
         if stream is None:
             return
         if item.kind == "join":
-            self._perform(stream, stream.tracker.begin_join())
+            self._perform(stream, stream.tracker.begin_join(), acc)
         elif item.kind == "probe":
-            self._perform(stream, stream.tracker.begin_probe())
+            self._perform(stream, stream.tracker.begin_probe(), acc)
         elif item.kind == "reconnect":
             stream.tracker.on_reconnect()
 
     def _bind_stream(self, pod_id: str, model: str, decoded: _Item, source_id: str) -> _Stream:
-        rank = decoded.batch.dp_rank if decoded is not None and decoded.batch.dp_rank is not None else 0
+        rank = decoded[0].batch.dp_rank if decoded is not None and decoded[0].batch.dp_rank is not None else 0
         ref = PodRef(pod_id, rank)
         stream = self._streams.get(ref)
         if stream is not None:
@@ -458,33 +495,38 @@ class IngestService:
         return stream
 
     def _decode(self, pod_id: str, seq: int, payload: bytes) -> _Item:
+        """Decode without token ids (most of the bytes; only the hash check needs them, and it decodes
+        its sampled batches again in full)."""
         try:
-            decoded = decode_batch(payload)
+            decoded = decode_batch(payload, with_token_ids=False)
         except DecodeError as exc:
             self._drop(f"decode_{exc.reason}", f"pod {pod_id}: seq {seq} unreadable: {exc}")
             return None
-        for reason, n in decoded.dropped.items():
-            self._counters.add_to("dropped", reason, n)
-        return decoded
+        if decoded.dropped:
+            for reason, n in decoded.dropped.items():
+                self._counters.add_to("dropped", reason, n)
+        return decoded, payload
 
-    def _perform(self, stream: _Stream, actions: list[Action[_Item]]) -> None:
+    def _perform(self, stream: _Stream, actions: list[Action[_Item]], acc: _Accumulator) -> None:
         tracker = stream.tracker
         before = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
-        self._run_actions(stream, actions)
+        self._run_actions(stream, actions, acc)
         after = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
         for name, old, new in zip(("gaps", "duplicates", "history_lost"), before, after, strict=True):
             if new != old:
                 self._counters.add(name, new - old)
 
-    def _run_actions(self, stream: _Stream, actions: list[Action[_Item]]) -> None:
+    def _run_actions(self, stream: _Stream, actions: list[Action[_Item]], acc: _Accumulator) -> None:
         while actions:
             next_actions: list[Action[_Item]] = []
             for action in actions:
                 if isinstance(action, Apply):
-                    self._apply(stream, action.seq, action.item)
+                    self._apply(stream, action.seq, action.item, acc)
                 elif isinstance(action, ClearPod):
+                    self._flush(stream, acc)
                     self._clear(stream, action)
                 elif isinstance(action, FetchReplay):
+                    self._flush(stream, acc)  # what we have is indexed while the replay runs
                     next_actions = self._replay(stream, action)
             actions = next_actions
 
@@ -553,44 +595,77 @@ class IngestService:
                 cleared,
             )
 
-    def _apply(self, stream: _Stream, seq: int, decoded: _Item) -> None:
+    def _apply(self, stream: _Stream, seq: int, decoded: _Item, acc: _Accumulator) -> None:
+        """Filter one batch's events for the index and queue them on `acc` (applied at the next flush)."""
         if decoded is None:
             return
+        batch, payload = decoded
         runtime = self._models[stream.model]
         config = runtime.config
-        kept: list[KVEvent] = []
+        block_size = config.block_size
+        prefix_groups = config.prefix_group_idxs
+        kept = acc.pending.get(stream)
+        if kept is None:
+            kept = acc.pending[stream] = []
         cleared = False
-        for event in decoded.batch.events:
-            if isinstance(event, BlocksStored):
-                if not self._is_prefix_group(config, event.group_idx, event.spec_kind):
-                    self._counters.add("non_prefix_group_events")
+        for pos, event in enumerate(batch.batch.events):
+            kind = type(event)
+            if kind is BlocksStored:
+                spec_kind = event.spec_kind  # type: ignore[union-attr]
+                group_idx = event.group_idx  # type: ignore[union-attr]
+                if (spec_kind is not None and spec_kind not in PREFIX_SPEC_KINDS) or (
+                    group_idx is not None and group_idx not in prefix_groups
+                ):
+                    acc.non_prefix += 1
                     continue
-                if event.block_size != 0 and event.block_size != config.block_size:
-                    self._flag_block_size(stream, seq, event, config)
+                event_block_size = event.block_size  # type: ignore[union-attr]
+                if event_block_size != 0 and event_block_size != block_size:
+                    self._flag_block_size(stream, seq, event, config)  # type: ignore[arg-type]
                     continue
-                self._maybe_check_hashes(stream, seq, event, runtime)
-            elif isinstance(event, BlocksRemoved):
-                if not self._is_prefix_group(config, event.group_idx, None):
-                    self._counters.add("non_prefix_group_events")
+                if event.parent_key is None:  # type: ignore[union-attr]
+                    self._maybe_check_hashes(stream, seq, event, pos, payload, runtime)  # type: ignore[arg-type]
+                acc.stored += 1
+            elif kind is BlocksRemoved:
+                group_idx = event.group_idx  # type: ignore[union-attr]
+                if group_idx is not None and group_idx not in prefix_groups:
+                    acc.non_prefix += 1
                     continue
-            elif isinstance(event, AllBlocksCleared):
+                acc.removed += 1
+            elif kind is AllBlocksCleared:
+                acc.cleared += 1
                 cleared = True
             kept.append(event)
-        if kept:
-            stats = runtime.index.apply(stream.ref, kept)
-            if stats.unknown_parents:
-                self._counters.add("unknown_parents", stats.unknown_parents)
-            for event in kept:
-                self._counters.add_to("events_applied", _EVENT_NAMES[type(event)])
-            stream.events_total += len(kept)
         if cleared:
+            self._flush(stream, acc)
             stream.tracker.view_complete()
 
-    @staticmethod
-    def _is_prefix_group(config: ModelConfig, group_idx: int | None, spec_kind: str | None) -> bool:
-        if spec_kind is not None and spec_kind not in PREFIX_SPEC_KINDS:
-            return False
-        return group_idx is None or group_idx in config.prefix_group_idxs
+    def _flush(self, stream: _Stream, acc: _Accumulator) -> None:
+        events = acc.pending.pop(stream, None)
+        if not events:
+            return
+        stats = self._models[stream.model].index.apply(stream.ref, events)
+        acc.unknown_parents += stats.unknown_parents
+        stream.events_total += len(events)
+
+    def _flush_all(self, acc: _Accumulator) -> None:
+        for stream in list(acc.pending):
+            try:
+                self._flush(stream, acc)
+            except Exception:
+                log.exception("ingest worker failed to apply a batch of pod %s", stream.ref.pod_id)
+        counters = self._counters
+        with counters.lock:
+            values = counters.values
+            applied = values.events_applied
+            for name, n in (
+                ("BlockStored", acc.stored),
+                ("BlockRemoved", acc.removed),
+                ("AllBlocksCleared", acc.cleared),
+            ):
+                if n:
+                    applied[name] = applied.get(name, 0) + n
+            values.unknown_parents += acc.unknown_parents
+            values.non_prefix_group_events += acc.non_prefix
 
     def _flag_block_size(self, stream: _Stream, seq: int, event: BlocksStored, config: ModelConfig) -> None:
         self._counters.add("block_size_mismatches")
@@ -609,12 +684,21 @@ class IngestService:
             )
 
     def _maybe_check_hashes(
-        self, stream: _Stream, seq: int, event: BlocksStored, runtime: ModelRuntime
+        self, stream: _Stream, seq: int, event: BlocksStored, pos: int, payload: bytes, runtime: ModelRuntime
     ) -> None:
+        """Sample, then decode the batch again with its token ids (the hot path skipped them)."""
         config = runtime.config
-        if not is_checkable(event, config.block_size) or not self._sampler.should_check(stream.ref):
+        if not could_be_checkable(event, config.block_size) or not self._sampler.should_check(stream.ref):
             return
-        if hashes_agree(event, runtime.hasher):
+        try:
+            events = decode_batch(payload).batch.events
+        except DecodeError:
+            return
+        full = events[pos] if pos < len(events) else None
+        # A batch the two decoders read differently (an event only one of them dropped): skip the check.
+        if not isinstance(full, BlocksStored) or full.block_keys != event.block_keys:
+            return
+        if not is_checkable(full, config.block_size) or hashes_agree(full, runtime.hasher):
             return
         stream.hash_mismatches_total += 1
         stream.hash_mismatch = True
@@ -627,12 +711,19 @@ class IngestService:
                 stream.ref.dp_rank,
                 seq,
                 config.name,
-                diagnose_mismatch(event, config),
+                diagnose_mismatch(full, config),
             )
 
 
-_EVENT_NAMES: dict[type, str] = {
-    BlocksStored: "BlockStored",
-    BlocksRemoved: "BlockRemoved",
-    AllBlocksCleared: "AllBlocksCleared",
-}
+class _Accumulator:
+    """What one `_handle_many` call gathered: kept events per stream (in order), and counts."""
+
+    __slots__ = ("pending", "stored", "removed", "cleared", "non_prefix", "unknown_parents")
+
+    def __init__(self) -> None:
+        self.pending: dict[_Stream, list[KVEvent]] = {}
+        self.stored = 0
+        self.removed = 0
+        self.cleared = 0
+        self.non_prefix = 0
+        self.unknown_parents = 0

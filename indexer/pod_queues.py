@@ -8,10 +8,11 @@ bounded: `submit` never blocks the poller; a full queue drops the item and says 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar, cast
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -19,9 +20,6 @@ log = logging.getLogger(__name__)
 
 FNV32_OFFSET_BASIS = 0x811C9DC5
 FNV32_PRIME = 0x01000193
-
-_STOP = object()
-
 
 def fnv1a_32(data: bytes) -> int:
     """FNV-1a, 32-bit: stable across processes and runs (Python's hash() of str is not)."""
@@ -36,11 +34,17 @@ def worker_for(pod_id: str, num_workers: int) -> int:
 
 
 class PodQueues(Generic[T]):
-    """`num_workers` threads, each draining its own bounded FIFO with `handle(pod_id, item)`.
+    """`num_workers` threads, each draining its own bounded FIFO.
 
     Contract: items of one pod are handled one at a time, in submission order, by one thread. A slow
-    `handle` (e.g. a replay, bounded by its own timeout) delays every pod sharing that worker. An
-    exception from `handle` is logged and the worker goes on with the next item.
+    handler (e.g. a replay, bounded by its own timeout) delays every pod sharing that worker.
+    With `handle(pod_id, item)` only, items go one by one; an exception is logged and the worker goes
+    on with the next item. With `handle_many(entries)`, a worker takes everything queued (up to
+    `max_batch` (pod_id, item) entries, in order) per call — cheaper per item, and lets the handler
+    apply several messages of a pod at once; an exception there is logged and that batch is lost.
+
+    A deque + Event per worker instead of queue.Queue: one append and (only when the worker sleeps) one
+    set() per item, instead of a lock and two conditions per put and get.
     """
 
     def __init__(
@@ -50,16 +54,23 @@ class PodQueues(Generic[T]):
         num_workers: int = 4,
         queue_size: int = 10_000,
         name: str = "kvindex-ingest",
+        handle_many: Callable[[list[tuple[str, T]]], None] | None = None,
+        max_batch: int = 256,
     ) -> None:
-        if num_workers < 1 or queue_size < 1:
-            raise ValueError("num_workers and queue_size must be at least 1")
+        if num_workers < 1 or queue_size < 1 or max_batch < 1:
+            raise ValueError("num_workers, queue_size and max_batch must be at least 1")
         self._handle = handle
+        self._handle_many = handle_many
         self._name = name
-        self._queues: list[queue.Queue[tuple[str, T] | object]] = [
-            queue.Queue(maxsize=queue_size) for _ in range(num_workers)
-        ]
+        self._queue_size = queue_size
+        self._max_batch = max_batch
+        self._queues: list[deque[tuple[str, T]]] = [deque() for _ in range(num_workers)]
+        self._wakeups = [threading.Event() for _ in range(num_workers)]
+        # Pod id -> worker number: FNV-1a in Python costs ~1 µs per byte, the lookup ~50 ns.
+        self._worker_of: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
         self._started = False
+        self._stopping = False
 
     @property
     def num_workers(self) -> int:
@@ -69,45 +80,67 @@ class PodQueues(Generic[T]):
         if self._started:
             return
         self._started = True
-        for idx, work in enumerate(self._queues):
-            thread = threading.Thread(target=self._run, args=(work,), name=f"{self._name}-{idx}", daemon=True)
+        for idx in range(len(self._queues)):
+            thread = threading.Thread(target=self._run, args=(idx,), name=f"{self._name}-{idx}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def submit(self, pod_id: str, item: T) -> bool:
         """Queue an item for the pod's worker; False (item dropped) when that worker's queue is full."""
-        try:
-            self._queues[worker_for(pod_id, len(self._queues))].put_nowait((pod_id, item))
-        except queue.Full:
+        idx = self._worker_of.get(pod_id)
+        if idx is None:
+            idx = self._worker_of[pod_id] = worker_for(pod_id, len(self._queues))
+        work = self._queues[idx]
+        if len(work) >= self._queue_size:
             return False
+        work.append((pod_id, item))
+        wakeup = self._wakeups[idx]
+        if not wakeup.is_set():
+            wakeup.set()
         return True
 
     def depth(self) -> int:
-        return sum(work.qsize() for work in self._queues)
+        return sum(len(work) for work in self._queues)
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Finish what is queued, then stop the workers; False if one did not stop within the timeout."""
         if not self._started:
             return True
-        for work in self._queues:
-            try:
-                work.put(_STOP, timeout=timeout_s)
-            except queue.Full:
-                log.warning("an ingest worker did not drain its queue within %.1f s at stop", timeout_s)
+        self._stopping = True
+        for wakeup in self._wakeups:
+            wakeup.set()
+        deadline = time.monotonic() + timeout_s
         stopped = True
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
             stopped = stopped and not thread.is_alive()
+        if not stopped:
+            log.warning("an ingest worker did not drain its queue within %.1f s at stop", timeout_s)
         self._threads = []
         return stopped
 
-    def _run(self, work: queue.Queue[tuple[str, T] | object]) -> None:
+    def _run(self, idx: int) -> None:
+        work = self._queues[idx]
+        wakeup = self._wakeups[idx]
+        handle_many = self._handle_many
+        max_batch = self._max_batch
+        popleft = work.popleft
         while True:
-            entry = work.get()
-            if entry is _STOP:
+            # Cleared before draining: an item appended after the drain sets it again (no lost wakeup).
+            wakeup.clear()
+            while work:
+                if handle_many is None:
+                    pod_id, item = popleft()
+                    try:
+                        self._handle(pod_id, item)
+                    except Exception:
+                        log.exception("ingest worker failed on an item of pod %s", pod_id)
+                    continue
+                entries = [popleft() for _ in range(min(len(work), max_batch))]
+                try:
+                    handle_many(entries)
+                except Exception:
+                    log.exception("ingest worker failed on a batch of %d items", len(entries))
+            if self._stopping:
                 return
-            pod_id, item = cast(tuple[str, T], entry)
-            try:
-                self._handle(pod_id, item)
-            except Exception:
-                log.exception("ingest worker failed on an item of pod %s", pod_id)
+            wakeup.wait()
