@@ -201,10 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             spec = WorkloadSpec(num_engines=100, blocks_per_engine=10_000, num_prefixes=10, num_queries=200)
         log(f"ingest/score/memory workload: {spec}")
-        workload = build(spec, log)
+        feed = build(spec, log)
         measure_queries = "score" in args.only
         results = run_pair(
-            workload,
+            feed,
             dynamo_ok=dynamo_ok,
             measure_during=measure_queries,
             query_kinds=("tokens", "hashes") if measure_queries else ("tokens",),
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(
             f"== ingest: {spec.num_engines} engines x {spec.blocks_per_engine} blocks = "
-            f"{workload.num_blocks:,} pod-block pairs, {spec.blocks_per_event} blocks/BlockStored, "
+            f"{feed.num_blocks:,} pod-block pairs, {spec.blocks_per_event} blocks/BlockStored, "
             f"{spec.events_per_message} events/message; services run one after the other on identical bytes"
         )
         print(ingest_table(results))
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if measure_queries:
             print()
             print(
-                f"== score: HTTP latency per request, {len(workload.queries)} prompts of {spec.query_blocks} "
+                f"== score: HTTP latency per request, {len(feed.queries)} prompts of {spec.query_blocks} "
                 "blocks; same keep-alive client for both; 'during' = while a second publishing round is "
                 "being ingested (identical bytes, so answers stay checkable); Dynamo hashes = its own XXH3"
             )
@@ -243,12 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lat_theirs.percentile_ms(0.99) if lat_theirs else None,
                 )
         if "memory" in args.only:
-            rows = memory_rows(results, f"{workload.num_blocks:,}")
+            rows = memory_rows(results, f"{feed.num_blocks:,}")
             if args.big:
                 big_spec = WorkloadSpec(num_engines=100, blocks_per_engine=100_000, num_queries=5)
                 log(f"--big memory workload: {big_spec}")
                 big = run_pair(
-                    build(big_spec, log),
+                    build(big_spec, log, lean=True),
                     dynamo_ok=dynamo_ok,
                     measure_during=False,
                     query_kinds=("tokens",),

@@ -26,9 +26,20 @@ from benchmarks.service import (
     blocks_per_engine_dynamo,
     blocks_per_engine_kvindex,
 )
-from benchmarks.workload import Workload, WorkloadSpec, build_workload, encode_engine
+from benchmarks.workload import ScoreQuery, WorkloadSpec, build_payloads, build_workload, encode_engine
 
 POLL_S = 0.05  # same completion-poll interval for both services
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What every service under test is fed: per engine the payload of seq k at [k]; the score prompts."""
+
+    spec: WorkloadSpec
+    payloads: list[list[bytes]]
+    num_events: int
+    num_blocks: int
+    queries: list[ScoreQuery]
 
 
 # --- the publisher process -------------------------------------------------------------------------
@@ -213,8 +224,8 @@ class DynamoSubject:
 
 
 @contextmanager
-def start_subject(kind: str, publishers: Publishers, workload: Workload) -> Iterator[Subject]:
-    spec = workload.spec
+def start_subject(kind: str, publishers: Publishers, feed: Feed) -> Iterator[Subject]:
+    spec = feed.spec
     if kind == "kvindex":
         with KvindexService(
             publishers.endpoints, hash_seed=spec.hash_seed, block_size=spec.block_size
@@ -228,7 +239,7 @@ def start_subject(kind: str, publishers: Publishers, workload: Workload) -> Iter
         startup_s = 60.0 + len(workers) * 0.2
         with DynamoIndexer(workers, block_size=spec.block_size, startup_timeout_s=startup_s) as indexer:
             try:
-                yield DynamoSubject(indexer, workload.num_events)
+                yield DynamoSubject(indexer, feed.num_events)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; Dynamo log: {indexer.log_tail(1500)}") from exc
 
@@ -304,21 +315,19 @@ def _timed_post(client: JsonClient, path: str, body: bytes) -> tuple[float, Any]
     return time.perf_counter() - began, response
 
 
-def _requests(
-    subject: Subject, workload: Workload, kinds: Sequence[str]
-) -> dict[str, list[tuple[str, bytes]]]:
+def _requests(subject: Subject, feed: Feed, kinds: Sequence[str]) -> dict[str, list[tuple[str, bytes]]]:
     made: dict[str, list[tuple[str, bytes]]] = {}
     for kind in kinds:
         if kind == "tokens":
-            made[kind] = [subject.token_request(q.token_ids) for q in workload.queries]
+            made[kind] = [subject.token_request(q.token_ids) for q in feed.queries]
         else:
-            made[kind] = [subject.hash_request(q.token_ids, q.event_hashes) for q in workload.queries]
+            made[kind] = [subject.hash_request(q.token_ids, q.event_hashes) for q in feed.queries]
     return made
 
 
 def time_queries(
     subject: Subject,
-    workload: Workload,
+    feed: Feed,
     requests: dict[str, list[tuple[str, bytes]]],
     *,
     keep_going: Callable[[], bool] | None = None,
@@ -338,7 +347,7 @@ def time_queries(
             client.request("POST", path, body)
         asked = 0
         for _ in range(max_rounds):
-            for index, query in enumerate(workload.queries):
+            for index, query in enumerate(feed.queries):
                 for kind, kind_requests in requests.items():
                     elapsed, response = _timed_post(client, *kind_requests[index])
                     results[kind].samples_s.append(elapsed)
@@ -356,16 +365,15 @@ def time_queries(
 
 def run_subject(
     kind: str,
-    workload: Workload,
-    payloads: list[list[bytes]],
+    feed: Feed,
     *,
     measure_during: bool,
     query_kinds: Sequence[str],
     ingest_timeout_s: float,
 ) -> SubjectResult:
     """One service on its own: start, attach, ingest round 0 (timed), RSS, idle queries, round 1 + queries."""
-    result = SubjectResult(kind, workload.num_blocks)
-    with Publishers(payloads) as publishers, start_subject(kind, publishers, workload) as subject:
+    result = SubjectResult(kind, feed.num_blocks)
+    with Publishers(feed.payloads) as publishers, start_subject(kind, publishers, feed) as subject:
         publishers.await_subscribers()
         result.rss_before = subject.rss_bytes()
         publishers.start_round(0)
@@ -374,13 +382,13 @@ def run_subject(
         first, last = publishers.finish_round()
         result.ingest_s, result.publish_s = done - first, last - first
         result.rss_after = subject.rss_bytes()
-        requests = _requests(subject, workload, query_kinds)
-        result.idle = time_queries(subject, workload, requests)
+        requests = _requests(subject, feed, query_kinds)
+        result.idle = time_queries(subject, feed, requests)
         if measure_during:
             publishers.start_round(1)
             result.during = time_queries(
                 subject,
-                workload,
+                feed,
                 requests,
                 keep_going=lambda: not subject.caught_up(1),
                 max_rounds=20,
@@ -396,7 +404,7 @@ def run_subject(
 
 
 def run_pair(
-    workload: Workload,
+    feed: Feed,
     *,
     dynamo_ok: bool,
     measure_during: bool,
@@ -405,32 +413,35 @@ def run_pair(
     log: Callable[[str], None],
 ) -> dict[str, SubjectResult]:
     """kvindex, then Dynamo (if available), on identical payload bytes."""
-    payloads = [encode_engine(engine) for engine in workload.engines]
     results: dict[str, SubjectResult] = {}
     for kind in ("kvindex", "Dynamo") if dynamo_ok else ("kvindex",):
-        log(f"  {kind}: {workload.spec.num_engines} engines x {workload.spec.blocks_per_engine} blocks ...")
+        log(f"  {kind}: {feed.spec.num_engines} engines x {feed.spec.blocks_per_engine} blocks ...")
         try:
             results[kind] = run_subject(
                 kind,
-                workload,
-                payloads,
+                feed,
                 measure_during=measure_during,
                 query_kinds=query_kinds,
                 ingest_timeout_s=ingest_timeout_s,
             )
         except (TimeoutError, RuntimeError, OSError) as exc:
-            results[kind] = SubjectResult(
-                kind, workload.num_blocks, error=f"{type(exc).__name__}: {exc}"[:300]
-            )
+            results[kind] = SubjectResult(kind, feed.num_blocks, error=f"{type(exc).__name__}: {exc}"[:300])
             log(f"  {kind} failed: {results[kind].error}")
     return results
 
 
-def build(spec: WorkloadSpec, log: Callable[[str], None]) -> Workload:
+def build(spec: WorkloadSpec, log: Callable[[str], None], *, lean: bool = False) -> Feed:
+    """The feed for `spec`; `lean` keeps only the payload bytes (no queries), for very large runs."""
     began = time.perf_counter()
-    workload = build_workload(spec)
+    if lean:
+        payloads, num_events, num_blocks = build_payloads(spec)
+        feed = Feed(spec, payloads, num_events, num_blocks, [])
+    else:
+        workload = build_workload(spec)
+        payloads = [encode_engine(engine) for engine in workload.engines]
+        feed = Feed(spec, payloads, workload.num_events, workload.num_blocks, workload.queries)
     log(
         f"  built {spec.num_engines} engines x {spec.blocks_per_engine} blocks "
-        f"({workload.num_events} BlockStored) in {time.perf_counter() - began:.1f}s"
+        f"({feed.num_events} BlockStored) in {time.perf_counter() - began:.1f}s"
     )
-    return workload
+    return feed

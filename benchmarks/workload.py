@@ -284,6 +284,29 @@ def build_workload(spec: WorkloadSpec, digester: BlockDigester | None = None) ->
     return Workload(spec, engines, _queries(spec, engines, sequences, prefix_tokens, digest_fn))
 
 
+def build_payloads(
+    spec: WorkloadSpec, digester: BlockDigester | None = None
+) -> tuple[list[list[bytes]], int, int]:
+    """(every engine's encoded payloads, number of events, number of blocks) — the bytes
+    `encode_engine(build_workload(spec).engines[i])` gives, but one engine at a time, keeping neither event
+    objects nor queries: for runs (10M pairs) too big to hold as Python objects."""
+    if spec.num_engines < 1 or spec.blocks_per_engine < 1 or spec.num_prefixes < 1:
+        raise ValueError("num_engines, blocks_per_engine and num_prefixes must be at least 1")
+    digest_fn = digester if digester is not None else default_digester()
+    prefix_tokens = [
+        _run_tokens(spec, _KIND_PREFIX, prefix_id, spec.prefix_blocks)
+        for prefix_id in range(spec.num_prefixes)
+    ]
+    payloads: list[list[bytes]] = []
+    num_events = num_blocks = 0
+    for engine_index in range(spec.num_engines):
+        engine, _ = _engine_stream(spec, engine_index, prefix_tokens, digest_fn)
+        payloads.append(encode_engine(engine))
+        num_events += engine.num_events
+        num_blocks += engine.num_blocks
+    return payloads, num_events, num_blocks
+
+
 def encode_message(events: Sequence[BlockStored], *, ts: float = 0.0, dp_rank: int = 0) -> bytes:
     """The msgpack payload vLLM 0.33 sends for one batch (map-form events in a 3-element array).
 

@@ -61,3 +61,13 @@ def test_unknown_workload_is_refused_with_the_choices() -> None:
     result = _run(["--only", "ingest,speed"])
     assert result.returncode == 2
     assert "unknown workload(s) speed" in result.stderr
+
+
+def test_lean_payloads_are_the_bytes_of_the_full_workload() -> None:
+    from benchmarks.workload import WorkloadSpec, build_payloads, build_workload, encode_engine
+
+    spec = WorkloadSpec(num_engines=3, blocks_per_engine=300, num_prefixes=2, num_queries=0, seed=5)
+    workload = build_workload(spec)
+    payloads, num_events, num_blocks = build_payloads(spec)
+    assert payloads == [encode_engine(engine) for engine in workload.engines]
+    assert (num_events, num_blocks) == (workload.num_events, workload.num_blocks) == (num_events, 900)
