@@ -77,7 +77,8 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | None:
+def convert_extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | None:
+    """vLLM's per-block extra keys, hashable; a plain request's `[nil, ...]` stays all None."""
     if extra_keys is None:
         return None
     if not any(extra_keys):
@@ -99,7 +100,7 @@ def convert_stored(event: WireBlockStored) -> BlocksStored:
         event.block_size,
         event.medium or TIER_GPU,
         event.lora_name,
-        _extra_keys(event.extra_keys),
+        convert_extra_keys(event.extra_keys),
         event.group_idx,
         event.kv_cache_spec_kind,
         event.locality,

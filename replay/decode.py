@@ -7,10 +7,66 @@ event that still cannot be read is dropped and counted by reason, and the rest o
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import msgspec
-from kvindex.indexer.events import EventBatch, KVEvent
+from kvindex.indexer.events import (
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    KVEvent,
+)
 from kvindex.replay import wire
-from kvindex.replay.convert import ConvertError, convert_event
+from kvindex.replay.convert import ConvertError, convert_event, convert_extra_keys
+
+# --- the ingest hot path: vLLM's default shape, decoded straight into what the index needs -----------
+# Same fields and required-ness as wire.BlockStored / BlockRemoved, but hashes must be unsigned 64-bit
+# ints (vLLM's default), checked and made tuples by msgspec in C, and token ids stay undecoded. Anything
+# else (raw-digest hashes, signed ints, odd shapes) fails here and takes the general path below.
+_Key = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+
+
+class _HotStored(msgspec.Struct, frozen=True, gc=False, tag="BlockStored"):
+    block_hashes: tuple[_Key, ...]
+    parent_block_hash: _Key | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _HotRemoved(msgspec.Struct, frozen=True, gc=False, tag="BlockRemoved"):
+    block_hashes: tuple[_Key, ...]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _HotCleared(msgspec.Struct, frozen=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+class _HotBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    ts: float
+    events: list[_HotStored | _HotRemoved | _HotCleared]
+    data_parallel_rank: int | None = None
+
+
+_HOT_DECODER = msgspec.msgpack.Decoder(_HotBatch)
+_ALL_BLOCKS_CLEARED = AllBlocksCleared()
+_NO_DROPS: dict[str, int] = {}
 
 # Built once: msgspec decoders are immutable and reusable.
 _BATCH_DECODER = msgspec.msgpack.Decoder(wire.KVEventBatch)
@@ -58,6 +114,11 @@ def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch
     and counted in `dropped`. With `with_token_ids=False` the fast path leaves token ids undecoded (they
     are most of a batch's bytes) and BlocksStored.token_ids is () — for consumers that never use them.
     """
+    if not with_token_ids:
+        try:
+            return _decode_hot(_HOT_DECODER.decode(payload))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # not the default shape: the general path below says what is wrong, event by event
     decoder = _BATCH_DECODER if with_token_ids else _BATCH_DECODER_TOKENS_SKIPPED
     try:
         wire_batch = decoder.decode(payload)
@@ -72,6 +133,37 @@ def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch
             dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
     batch = EventBatch(ts=wire_batch.ts, events=tuple(events), dp_rank=wire_batch.data_parallel_rank)
     return DecodedBatch(batch=batch, dropped=dropped)
+
+
+def _decode_hot(hot: _HotBatch) -> DecodedBatch:
+    events: list[KVEvent] = []
+    append = events.append
+    for event in hot.events:
+        if type(event) is _HotStored:
+            lookahead = event.lookahead_token_ids
+            # Positional, in BlocksStored's field order (keywords cost more on this path).
+            append(
+                BlocksStored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    (),
+                    event.block_size,
+                    event.medium or TIER_GPU,
+                    event.lora_name,
+                    convert_extra_keys(event.extra_keys),
+                    event.group_idx,
+                    event.kv_cache_spec_kind,
+                    event.locality,
+                    None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
+                )
+            )
+        elif type(event) is _HotRemoved:
+            append(BlocksRemoved(event.block_hashes, event.medium or TIER_GPU, event.group_idx))
+        else:
+            append(_ALL_BLOCKS_CLEARED)
+    batch = EventBatch(ts=hot.ts, events=tuple(events), dp_rank=hot.data_parallel_rank)
+    # A shared empty dict: nothing was dropped (callers only read it).
+    return DecodedBatch(batch=batch, dropped=_NO_DROPS)
 
 
 def _decode_raw_batch(payload: bytes) -> wire.RawArrayBatch | wire.RawMapBatch:

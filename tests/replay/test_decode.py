@@ -414,3 +414,32 @@ def test_skipping_token_ids_changes_nothing_else(raw_vectors: dict[str, Any]) ->
             for e in full.batch.events
         )
         assert skipped.batch.events == expected
+
+
+@pytest.mark.parametrize(
+    "hashes",
+    [
+        [0, 2**64 - 1, 2**63],  # vLLM's default: the ingest hot path
+        [-1, -(2**63)],  # signed 64-bit producer: folded on the general path
+        [b"\x00" * 24 + (7).to_bytes(8, "big"), 5],  # raw digests (mixed with an int)
+        [],
+    ],
+)
+def test_without_token_ids_every_hash_form_decodes_like_the_full_path(hashes: list[Any]) -> None:
+    lookahead = {**GOOD_STORED, "lookahead_token_ids": [[1, 2]], "extra_keys": [["lora", 3]], "medium": None}
+    events = [
+        {**GOOD_STORED, "block_hashes": hashes, "parent_block_hash": hashes[0] if hashes else None},
+        {**lookahead, "block_hashes": hashes},
+        {**GOOD_REMOVED, "block_hashes": hashes, "medium": "CPU"},
+        {"type": "AllBlocksCleared"},
+    ]
+    payload = msgspec.msgpack.encode([3.0, events, 1])
+    full, skipped = decode_batch(payload), decode_batch(payload, with_token_ids=False)
+    assert full.dropped == skipped.dropped == {}
+    if all(isinstance(h, int) and h >= 0 for h in hashes):
+        assert full.batch.events == tuple(reference_event(e) for e in events)
+    expected = tuple(
+        msgspec.structs.replace(e, token_ids=()) if isinstance(e, BlocksStored) else e
+        for e in full.batch.events
+    )
+    assert skipped.batch == EventBatch(ts=3.0, events=expected, dp_rank=1)
