@@ -111,14 +111,21 @@ class Subscriber:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         try:
+            monitors, sockets = self._monitors, self._sockets
             while self._running:
-                ready = dict(poller.poll(POLL_INTERVAL_MS))
+                # Only the ready sockets are visited: with hundreds of engines, walking every socket per
+                # poll cost more than reading the messages.
+                ready = poller.poll(POLL_INTERVAL_MS)
+                if not ready:
+                    continue
                 # Link events first: a reconnect must be known before the new connection's messages.
-                for monitor, source_id in self._monitors.items():
-                    if monitor in ready:
-                        self._read_monitor(monitor, source_id)
-                for sock, source_id in self._sockets.items():
-                    if sock in ready:
+                for sock, _ in ready:
+                    source_id = monitors.get(sock)
+                    if source_id is not None:
+                        self._read_monitor(sock, source_id)
+                for sock, _ in ready:
+                    source_id = sockets.get(sock)
+                    if source_id is not None:
                         self._read_messages(sock, source_id)
         except Exception:
             log.exception("subscriber poller stopped on an unexpected error")
@@ -126,14 +133,16 @@ class Subscriber:
             self._close_all()
 
     def _read_messages(self, sock: zmq.Socket[bytes], source_id: str) -> None:
+        on_frames = self._on_frames
+        recv_multipart = sock.recv_multipart
         for _ in range(MAX_BATCH_PER_SOCKET):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.num_messages += 1
             try:
-                self._on_frames(source_id, frames)
+                on_frames(source_id, frames)
             except Exception:
                 log.exception("dropping a message from %s: its handler failed", source_id)
 
