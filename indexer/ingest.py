@@ -72,7 +72,11 @@ class IngestSettings(msgspec.Struct, frozen=True):
     that share that worker (FNV-1a of the pod id modulo `num_workers`).
     """
 
-    num_workers: int = 4  # per-pod ordered workers; a pod always maps to one (FNV-1a of pod id)
+    # Per-pod ordered workers; a pod always maps to one (FNV-1a of pod id). One by default: under the
+    # GIL more workers did not ingest faster (100 pods x 10k blocks: 1/2/4 within noise per CPU-second)
+    # but kept the GIL busier, and lookups during ingest went from p50 ~1 ms (1 worker) to 6-9 ms (2, 4).
+    # Raise it when replays can be slow: a replay (<= replay_timeout_s) delays every pod on its worker.
+    num_workers: int = 1
     queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
     max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
