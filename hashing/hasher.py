@@ -27,7 +27,7 @@ from kvindex.hashing.extra_keys import (
     per_block_keys,
     untag,
 )
-from kvindex.hashing.memo import DigestMemo
+from kvindex.hashing.memo import DigestMemo, LowCheck
 
 # Digests remembered per BlockHasher (~10 MB with their keys): 64 distinct 8k-token prompts, or far more
 # conversations that share a system prompt.
@@ -244,38 +244,30 @@ class BlockHasher:
         block_width = _KEY_ITEMSIZE * block_size
         num_blocks = len(token_ids) // block_size
         digests: list[bytes] = []
-        low_blocks: list[tuple[int, int]] = []
+        low_checks: list[LowCheck] = []
         missed_segments = memo.resolve(
-            self._root, token_bytes, block_width, num_blocks, None, digests, low_blocks
+            self._root, token_bytes, block_width, num_blocks, None, digests, low_checks
         )
-        # A memo hit proves the values, not the types: True packs as 1. Re-check ids below 2 only.
-        for first, stop in low_blocks:
-            _exact_ints(token_ids[first * block_size : stop * block_size])
+        # A memo hit proves the values, not the types: True packs as 1. Re-check hits with ids below 2.
+        for first, stop, unsettled_key in low_checks:
+            ids = token_ids[first * block_size : stop * block_size]
+            try:
+                msgspec.convert(ids, _AboveOneTuple)
+                has_low = False
+            except msgspec.ValidationError:
+                _exact_ints(ids)
+                has_low = True
+            if unsettled_key is not None:
+                memo.settle(unsettled_key, stop - first > 1, has_low)
         first_new = len(digests)
-        rest_ids = token_ids[first_new * block_size :]
-        try:
-            # The usual case in one C pass: exact ints, and none below 2 to re-check on later hits.
-            rest: tuple[int, ...] = msgspec.convert(rest_ids, _AboveOneTuple)
-            new_has_low = False
-        except msgspec.ValidationError:
-            rest = _exact_ints(rest_ids)
-            new_has_low = True
+        # One C pass: exact ints (bools, floats, strings refused); the pack already refused negatives.
+        rest = _exact_ints(token_ids[first_new * block_size :])
         if first_new < num_blocks:
             if self._algo.uses_cbor:
                 self._hash_cbor(rest, None, first_new, num_blocks, digests)
             else:
                 self._hash_pickle(rest, None, first_new, num_blocks, digests)
-            memo.record(
-                self._root,
-                token_bytes,
-                block_width,
-                None,
-                digests,
-                first_new,
-                missed_segments,
-                low_blocks,
-                new_has_low,
-            )
+            memo.record(self._root, token_bytes, block_width, None, digests, first_new, missed_segments)
         return digests
 
     def _chain_validated(self, token_ids: Sequence[int], request_extras: RequestExtras) -> list[bytes]:
@@ -289,10 +281,10 @@ class BlockHasher:
         digests: list[bytes] = []
         memo = self._memo if token_bytes is not None else None
         missed_segments: list[int] = []
-        low_blocks: list[tuple[int, int]] = []
         if memo is not None and token_bytes is not None:
+            # Every id was validated above, so the hits' low-id checks are not needed here.
             missed_segments = memo.resolve(
-                self._root, token_bytes, _KEY_ITEMSIZE * block_size, num_blocks, extras, digests, low_blocks
+                self._root, token_bytes, _KEY_ITEMSIZE * block_size, num_blocks, extras, digests, []
             )
         first_new = len(digests)
         if first_new < num_blocks:
@@ -310,8 +302,6 @@ class BlockHasher:
                     digests,
                     first_new,
                     missed_segments,
-                    low_blocks,
-                    True,  # safe: these entries' types are never relied on without a re-check
                 )
         return digests
 

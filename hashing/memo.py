@@ -13,9 +13,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+import xxhash
 from kvindex.hashing.extra_keys import ExtraKeys
 
 SEGMENT_BLOCKS: Final = 16
+
+# An entry's `has_low`: do its tokens hold an id below 2? None until its first hit settles it.
+LowIds = bool | None
+# A hit the caller must re-check: (first block, stop block, key to settle, or None if already settled).
+LowCheck = tuple[int, int, "tuple[Any, ...] | None"]
 
 
 class DigestMemo:
@@ -23,10 +29,16 @@ class DigestMemo:
 
     Tokens come as `token_bytes`: ids packed as uint32, `block_width` bytes per block (slicing, hashing
     and comparing bytes is several times cheaper than int tuples, whose ints from a fresh JSON decode
-    never share objects). Packing equates True/False with 1/0, so every entry also remembers whether its
-    tokens hold an id below 2 (`has_low`): the caller re-checks the types of those tokens on a hit, and
-    only those. `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to share
-    between threads: every read-modify of the dicts happens under one lock, never held while hashing.
+    never share objects). Segment keys carry an xxh3-128 tag of the 1 KiB token run instead of the run
+    (copying and siphashing 1 KiB into every key was most of a cold prompt's recording cost); the run is
+    kept in the value and compared on every hit, so a tag collision only costs a miss.
+
+    Packing equates True/False with 1/0, so a hit proves values, not types: `resolve` reports every hit
+    whose tokens hold, or may hold, an id below 2, and the caller re-checks those tokens' types. Whether
+    an entry holds such ids is learnt on its first hit (`settle`), so recording costs nothing extra.
+
+    `capacity_blocks` bounds the digests held (a segment counts SEGMENT_BLOCKS). Safe to share between
+    threads: every read-modify of the dicts happens under one lock, never held while hashing.
     (functools.lru_cache was measured too: one call per block costs more than one lookup per segment,
     and it cannot walk a chain.)
     """
@@ -34,8 +46,8 @@ class DigestMemo:
     def __init__(self, capacity_blocks: int) -> None:
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
-        self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, bool]] = OrderedDict()
-        self._segments: OrderedDict[tuple[Any, ...], tuple[tuple[bytes, ...], bool]] = OrderedDict()
+        self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
+        self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -51,13 +63,13 @@ class DigestMemo:
         num_blocks: int,
         extras: Sequence[ExtraKeys] | None,
         digests: list[bytes],
-        low_blocks: list[tuple[int, int]],
+        low_checks: list[LowCheck],
     ) -> list[int]:
         """Append the longest known prefix of the chain to `digests`.
 
-        Appends to `low_blocks` the block ranges [first, stop) of hits whose tokens hold an id below 2.
-        Returns the first block of every full segment whose lookup missed: the caller `record`s them once
-        their blocks are known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
+        Appends to `low_checks` each hit whose tokens hold or may hold an id below 2. Returns the first
+        block of every full segment whose lookup missed: the caller `record`s them once their blocks are
+        known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
         """
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
@@ -65,40 +77,46 @@ class DigestMemo:
         missed_segments: list[int] = []
         parent = root
         index = 0
+        view = memoryview(token_bytes)
+        tag = xxhash.xxh3_128_intdigest
         with self._lock:
             segments, blocks = self._segments, self._blocks
             get_segment, touch_segment = segments.get, segments.move_to_end
             if extras is None:
-                # The common case, kept to a minimum of work per 256 tokens.
-                start = 0
-                while index < full_end:
-                    seg_key: tuple[Any, ...] = (parent, token_bytes[start : start + seg_width], None)
+                # The common case, at a minimum of work per segment: tags in one comprehension, and the
+                # stored run compared in place (startswith) rather than through a 1 KiB slice.
+                at_offset = token_bytes.startswith
+                tags = [
+                    tag(view[start : start + seg_width])
+                    for start in range(0, full_end * block_width, seg_width)
+                ]
+                for seg_tag in tags:
+                    seg_key: tuple[Any, ...] = (parent, seg_tag, None)
                     found = get_segment(seg_key)
-                    if found is None:
+                    if found is None or not at_offset(found[0], index * block_width):
                         break
                     touch_segment(seg_key)
-                    seg_digests, has_low = found
+                    _, seg_digests, has_low = found
                     digests.extend(seg_digests)
-                    if has_low:
-                        low_blocks.append((index, index + seg))
+                    if has_low is not False:
+                        low_checks.append((index, index + seg, seg_key if has_low is None else None))
                     parent = seg_digests[-1]
                     index += seg
-                    start += seg_width
             while index < num_blocks:
                 start = index * block_width
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        token_bytes[start : start + seg_width],
+                        tag(view[start : start + seg_width]),
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = get_segment(seg_key)
-                    if found is not None:
+                    if found is not None and token_bytes.startswith(found[0], start):
                         touch_segment(seg_key)
-                        seg_digests, has_low = found
+                        _, seg_digests, has_low = found
                         digests.extend(seg_digests)
-                        if has_low:
-                            low_blocks.append((index, index + seg))
+                        if has_low is not False:
+                            low_checks.append((index, index + seg, seg_key if has_low is None else None))
                         parent = seg_digests[-1]
                         index += seg
                         continue
@@ -114,10 +132,22 @@ class DigestMemo:
                 blocks.move_to_end(block_key)
                 parent, has_low = hit
                 digests.append(parent)
-                if has_low:
-                    low_blocks.append((index, index + 1))
+                if has_low is not False:
+                    low_checks.append((index, index + 1, block_key if has_low is None else None))
                 index += 1
         return missed_segments
+
+    def settle(self, key: tuple[Any, ...], is_segment: bool, has_low: bool) -> None:
+        """Record what a re-check learnt about an entry's ids (no-op if it was evicted meanwhile)."""
+        with self._lock:
+            if is_segment:
+                found = self._segments.get(key)
+                if found is not None:
+                    self._segments[key] = (found[0], found[1], has_low)
+            else:
+                hit = self._blocks.get(key)
+                if hit is not None:
+                    self._blocks[key] = (hit[0], has_low)
 
     def record(
         self,
@@ -128,47 +158,40 @@ class DigestMemo:
         digests: Sequence[bytes],
         first_new: int,
         missed_segments: list[int],
-        low_blocks: Sequence[tuple[int, int]],
-        new_has_low: bool,
     ) -> None:
         """Remember a chain whose blocks from `first_new` on were just hashed.
 
         Full segments go to the segment level (those that missed, and every one past `first_new`); blocks
-        of the ragged tail go to the block level, where the next, longer turn will find them. An entry's
-        `has_low` comes from `low_blocks` (what `resolve` reported) for known blocks and `new_has_low` for
-        the new ones (True is always safe: it only costs a type re-check on a hit).
+        of the ragged tail go to the block level, where the next, longer turn will find them.
         """
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
-
-        def has_low(first: int, stop: int) -> bool:
-            if new_has_low and stop > first_new:
-                return True
-            return any(low_first < stop and first < low_stop for low_first, low_stop in low_blocks)
-
+        view = memoryview(token_bytes)
+        tag = xxhash.xxh3_128_intdigest
         starts = dict.fromkeys(missed_segments)
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
-        seg_entries = []
+        seg_entries: list[tuple[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]]] = []
         for index in starts:
             start = index * block_width
-            key = (
+            seg_key = (
                 root if index == 0 else digests[index - 1],
-                token_bytes[start : start + seg_width],
+                tag(view[start : start + seg_width]),
                 None if extras is None else tuple(extras[index : index + seg]),
             )
-            seg_entries.append((key, (tuple(digests[index : index + seg]), has_low(index, index + seg))))
-        block_entries = []
+            run = token_bytes[start : start + seg_width]
+            seg_entries.append((seg_key, (run, tuple(digests[index : index + seg]), None)))
+        block_entries: list[tuple[tuple[Any, ...], tuple[bytes, LowIds]]] = []
         for index in range(max(first_new, full_end), num_blocks):
             start = index * block_width
-            key = (
+            block_key = (
                 root if index == 0 else digests[index - 1],
                 token_bytes[start : start + block_width],
                 None if extras is None else extras[index],
             )
-            block_entries.append((key, (digests[index], has_low(index, index + 1))))
+            block_entries.append((block_key, (digests[index], None)))
         with self._lock:
             segments, blocks = self._segments, self._blocks
             for seg_key, seg_value in seg_entries:

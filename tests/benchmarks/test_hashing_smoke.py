@@ -21,5 +21,5 @@ def test_quick_benchmark_prints_a_row_per_algorithm_and_workload() -> None:
     lines = result.stdout.splitlines()
     assert any("speed-up" in line for line in lines)
     for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
-        for workload in ("cold", "hot"):
+        for workload in ("cold", "zipf", "hot"):
             assert any(line.split()[:2] == [algo, workload] for line in lines), (algo, workload)

@@ -341,3 +341,19 @@ def test_a_bool_standing_exactly_for_a_memoised_0_or_1_is_refused(
     with pytest.raises(HashingError, match="bool"):
         hasher.block_hashes(container(poisoned))
     assert hasher.block_hashes(container(tokens)) == expected
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
+def test_memo_segment_tags_that_collide_never_change_a_hash(
+    algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Segments are looked up by a 128-bit tag of their tokens; with every tag equal (a forced collision)
+    the stored tokens must still decide, so results stay those of the reference."""
+    import xxhash as xxhash_module
+
+    monkeypatch.setattr(xxhash_module, "xxh3_128_intdigest", lambda data: 7)
+    hasher = BlockHasher(algo=algo, block_size=4, seed="0")
+    system = list(range(2, 130))
+    prompts = [system + [1000 + turn] * 70 for turn in range(4)] + [list(range(500, 700)), system]
+    for prompt in prompts + prompts:
+        assert hasher.block_hashes(prompt) == reference_chain(algo, "0", 4, prompt)
