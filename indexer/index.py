@@ -1,15 +1,16 @@
 """Stage 6 of the write path and stage 3 of the read path: the block index.
 
-A sharded-lock, two-level LRU map: block key -> small LRU of pod entries (pod, dp rank, tier).
-Pure and synchronous: no sockets, clocks or threads of its own (locks only, so readers and writers on
-different threads are safe).
+A sharded-lock, two-level LRU map: block key -> small LRU of pod entries (pod, dp rank, tier), each with
+the number of physical copies the pod announced. Pure and synchronous: no sockets, clocks or threads of
+its own (locks only, so readers and writers on different threads are safe).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from array import array
 from collections.abc import Collection, Iterable, Sequence
+from itertools import islice
 
 import msgspec
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
@@ -21,197 +22,294 @@ Holders = tuple[Entry, ...]
 # The same, as interned entry ids (resolve with KVIndex.entry); the scorer's fast path.
 HolderIds = tuple[int, ...]
 
-# NOTE: a key's holders are stored as a bare entry id while one entry holds it (the common case: most
-# blocks live on one pod) and as a dict entry_id -> None, insertion-ordered as the per-key LRU, from the
-# second holder on. A dict holder always has >= 2 entries (it is folded back to an int at 1).
-_Holders = int | dict[int, None]
+# NOTE: a key's holders are a bare entry id while one entry holds it with one copy (the common case: most
+# blocks live on one pod, once), else a dict entry_id -> copies, insertion-ordered as the per-key LRU. A
+# dict holder has >= 2 entries or one entry with >= 2 copies (it is folded back to an int otherwise).
+# Small dicts of ints are not tracked by the garbage collector, so the index adds no GC work.
+_Holders = int | dict[int, int]
+
+# Copies of one (key, entry) counted at most. vLLM keeps identical blocks apart (BlockHashToBlockMap does
+# not de-duplicate): a fully cached block-aligned prompt recomputes its last block into a second physical
+# block with the same hash, and hybrid models store one hash per KV-cache group; each copy is announced
+# by a BlockStored and evicted by its own BlockRemoved. Re-announcements in vLLM's "full"
+# kv_cache_report_mode (emit_cached_block_events) re-store held blocks without a new copy and so inflate
+# the count: one later eviction then leaves a stale entry until the key LRU or a clear drops it. A small
+# cap would not help (a count of 2 is already stale after one eviction) and would drop blocks a busy pod
+# really holds twice or more; 256 bounds the count by what one pod can plausibly run at once and keeps
+# every count one of CPython's shared small ints (no allocation per count).
+MAX_COPIES = 256
 
 _OP_STORE = 0
 _OP_REMOVE = 1
 _OP_CLEAR = 2
 _OP_CHECK_PARENT = 3
 # One step of a batch, routed to one shard: (op, entry id, keys) or, for a parent check, (op, 0, key).
-_Run = tuple[int, int, list[int] | int]
+_Run = tuple[int, int, "Sequence[int] | int"]
+
+_MAX_KEY = 2**64 - 1
 
 
 class ApplyStats(msgspec.Struct, frozen=True):
     """What one `KVIndex.apply` call did, for metrics (the index keeps no counters of its own)."""
 
     stored_blocks: int = 0  # (block, entry) pairs newly added
-    refreshed_blocks: int = 0  # re-stores of a pair already held: recency refreshed
-    removed_blocks: int = 0  # pairs dropped by BlocksRemoved
+    refreshed_blocks: int = 0  # re-stores of a pair already held: one more copy, recency refreshed
+    removed_blocks: int = 0  # pairs dropped by BlocksRemoved (their last copy went)
     missing_removals: int = 0  # BlocksRemoved for a pair the index did not hold
     cleared_blocks: int = 0  # pairs dropped by AllBlocksCleared
     unknown_parents: int = 0  # BlocksStored whose parent_key this pod held on no tier at that point
     evicted_keys: int = 0  # keys dropped because their shard was full
     evicted_entries: int = 0  # pairs dropped by either LRU level (may belong to other pods)
+    released_copies: int = 0  # BlocksRemoved that dropped one of several copies: the pair stays held
 
 
 # Indices into the mutable counter list a batch accumulates into (same order as ApplyStats' fields).
-_STORED, _REFRESHED, _REMOVED, _MISSING, _CLEARED, _UNKNOWN_PARENT, _EVICTED_KEYS, _EVICTED_ENTRIES = range(8)
+(
+    _STORED,
+    _REFRESHED,
+    _REMOVED,
+    _MISSING,
+    _CLEARED,
+    _UNKNOWN_PARENT,
+    _EVICTED_KEYS,
+    _EVICTED_ENTRIES,
+    _RELEASED,
+) = range(9)
 
 
 class _Shard:
-    """One lock's worth of the index: the key LRU and the reverse map entry -> keys of this shard."""
+    """One lock's worth of the index: the key LRU and, per entry, a log of the keys it stored here."""
 
-    __slots__ = ("lock", "lru", "entry_keys", "capacity", "max_pods_per_key")
+    __slots__ = ("lock", "holders", "entry_keys", "entry_live", "capacity", "low_water", "max_pods_per_key")
 
     def __init__(self, capacity: int, max_pods_per_key: int) -> None:
         self.lock = threading.Lock()
-        # Least recently *stored* key first; reads never move anything.
-        self.lru: OrderedDict[int, _Holders] = OrderedDict()
-        # NOTE: a set may be left empty by evictions; it is only dropped by clear (a store loop holds a
-        # reference to it across evictions).
-        self.entry_keys: dict[int, set[int]] = {}
+        # Block key -> holders; a plain dict is insertion-ordered, so it is the key LRU (least recently
+        # *stored* first; a store re-inserts, reads never move anything). An OrderedDict would cost ~75 B
+        # more per key.
+        self.holders: dict[int, _Holders] = {}
+        # NOTE: the reverse map is a log, not a set (8 B per pair instead of ~60): every key an entry
+        # stored here is appended; removals and evictions leave it stale (readers re-check `holders`), and
+        # a store compacts it once it is twice the live count. A log whose entry holds nothing is dropped.
+        self.entry_keys: dict[int, array[int]] = {}
+        # Entry -> pairs it holds in this shard (exact; the log may be longer).
+        self.entry_live: dict[int, int] = {}
         self.capacity = capacity
+        # A full shard evicts down to this many keys at once: one scan of the dict's deleted slots per
+        # round instead of one per key (a plain dict's oldest live key sits behind them).
+        self.low_water = capacity - capacity // 64
         self.max_pods_per_key = max_pods_per_key
 
     # All methods below run with self.lock held.
 
-    def apply_runs(self, runs: list[_Run], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
+    def apply_runs(self, runs: Iterable[_Run], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
         for op, entry_id, arg in runs:
             if op == _OP_STORE:
-                assert isinstance(arg, list)
-                if arg:
-                    self.store(entry_id, arg, counts)
+                self.store(entry_id, arg, counts)  # type: ignore[arg-type]
             elif op == _OP_REMOVE:
-                assert isinstance(arg, list)
-                if arg:
-                    self._remove(entry_id, arg, counts)
+                self.remove(entry_id, arg, counts)  # type: ignore[arg-type]
             elif op == _OP_CHECK_PARENT:
-                assert isinstance(arg, int)
-                if not self._held_by_any(arg, pod_entry_ids):
+                if not self.held_by_any(arg, pod_entry_ids):  # type: ignore[arg-type]
                     counts[_UNKNOWN_PARENT] += 1
             else:
                 counts[_CLEARED] += self.clear_entries(pod_entry_ids)
 
-    def store(self, entry_id: int, keys: list[int], counts: list[int]) -> None:
-        lru = self.lru
-        rev = self.entry_keys.get(entry_id)
-        if rev is None:
-            rev = self.entry_keys[entry_id] = set()
-        stored = refreshed = 0
+    def store(self, entry_id: int, keys: Sequence[int], counts: list[int]) -> None:
+        holders_map = self.holders
+        pop = holders_map.pop
+        log = self.entry_keys.get(entry_id)
+        if log is None:
+            log = self.entry_keys[entry_id] = array("Q")
+        log_key = log.append
+        live = self.entry_live
+        stored = refreshed = evicted = 0
         for key in keys:
-            holders = lru.get(key)
-            if holders is None:
-                lru[key] = entry_id
-                rev.add(key)
+            held = pop(key, None)  # re-inserted below: newest in the key LRU
+            if held is None:
+                holders_map[key] = entry_id
+                log_key(key)
                 stored += 1
-                if len(lru) > self.capacity:
-                    self._evict_oldest_key(counts)
-                continue
-            if holders.__class__ is int:
-                if holders == entry_id:
+            elif held.__class__ is int:
+                if held == entry_id:
+                    holders_map[key] = {entry_id: 2}
                     refreshed += 1
                 elif self.max_pods_per_key == 1:
-                    self.entry_keys[holders].discard(key)
-                    lru[key] = entry_id
-                    rev.add(key)
+                    live[held] -= 1
+                    holders_map[key] = entry_id
+                    log_key(key)
                     stored += 1
-                    counts[_EVICTED_ENTRIES] += 1
+                    evicted += 1
                 else:
-                    lru[key] = {holders: None, entry_id: None}
-                    rev.add(key)
+                    holders_map[key] = {held: 1, entry_id: 1}
+                    log_key(key)
                     stored += 1
             else:
-                holder_lru: dict[int, None] = holders  # type: ignore[assignment]
-                if entry_id in holder_lru:
-                    del holder_lru[entry_id]  # re-insert: newest in this key's LRU
-                    holder_lru[entry_id] = None
+                holder_lru: dict[int, int] = held  # type: ignore[assignment]
+                copies = holder_lru.pop(entry_id, 0)  # re-inserted: newest in this key's LRU
+                if copies:
+                    holder_lru[entry_id] = copies + 1 if copies < MAX_COPIES else MAX_COPIES
                     refreshed += 1
                 else:
-                    holder_lru[entry_id] = None
-                    rev.add(key)
+                    holder_lru[entry_id] = 1
+                    log_key(key)
                     stored += 1
                     if len(holder_lru) > self.max_pods_per_key:
                         oldest = next(iter(holder_lru))
                         del holder_lru[oldest]
-                        self.entry_keys[oldest].discard(key)
-                        counts[_EVICTED_ENTRIES] += 1
-            lru.move_to_end(key)
+                        live[oldest] -= 1
+                        evicted += 1
+                        if len(holder_lru) == 1:  # max_pods_per_key == 1 and a single new copy
+                            holders_map[key] = entry_id
+                            continue
+                holders_map[key] = holder_lru
+        live[entry_id] = live.get(entry_id, 0) + stored
         counts[_STORED] += stored
         counts[_REFRESHED] += refreshed
+        counts[_EVICTED_ENTRIES] += evicted
+        if len(holders_map) > self.capacity:
+            self._evict_oldest_keys(counts)
+        if len(log) > 2 * live.get(entry_id, 0) + 64:
+            self._compact(entry_id)
 
-    def _evict_oldest_key(self, counts: list[int]) -> None:
-        key, holders = self.lru.popitem(last=False)
-        counts[_EVICTED_KEYS] += 1
-        entry_keys = self.entry_keys
-        if holders.__class__ is int:
-            entry_keys[holders].discard(key)
-            counts[_EVICTED_ENTRIES] += 1
-        else:
-            assert isinstance(holders, dict)
-            for entry_id in holders:
-                entry_keys[entry_id].discard(key)
-            counts[_EVICTED_ENTRIES] += len(holders)
-
-    def _remove(self, entry_id: int, keys: list[int], counts: list[int]) -> None:
-        lru = self.lru
-        rev = self.entry_keys.get(entry_id)
-        if rev is None:
-            counts[_MISSING] += len(keys)
-            return
-        removed = 0
-        for key in keys:
-            holders = lru.get(key)
-            if holders is None:
-                continue
-            if holders.__class__ is int:
-                if holders == entry_id:
-                    del lru[key]
-                    rev.discard(key)
-                    removed += 1
+    def _evict_oldest_keys(self, counts: list[int]) -> None:
+        holders_map = self.holders
+        victims = list(islice(holders_map, len(holders_map) - self.low_water))
+        live = self.entry_live
+        evicted_entries = 0
+        for key in victims:
+            held = holders_map.pop(key)
+            if held.__class__ is int:
+                live[held] -= 1
+                evicted_entries += 1
             else:
-                assert isinstance(holders, dict)
-                if entry_id in holders:
-                    del holders[entry_id]
-                    rev.discard(key)
-                    removed += 1
-                    if len(holders) == 1:
-                        lru[key] = next(iter(holders))  # same position: removal is not a store
-        counts[_REMOVED] += removed
-        counts[_MISSING] += len(keys) - removed
+                for entry_id in held:  # type: ignore[union-attr]
+                    live[entry_id] -= 1
+                evicted_entries += len(held)  # type: ignore[arg-type]
+        counts[_EVICTED_KEYS] += len(victims)
+        counts[_EVICTED_ENTRIES] += evicted_entries
 
-    def _held_by_any(self, key: int, entry_ids: frozenset[int]) -> bool:
-        holders = self.lru.get(key)
-        if holders is None:
+    def _compact(self, entry_id: int) -> None:
+        """Rewrite one entry's log with exactly the keys it holds (each once)."""
+        holds = self.holds
+        held_keys = [key for key in dict.fromkeys(self.entry_keys[entry_id]) if holds(key, entry_id)]
+        self.entry_keys[entry_id] = array("Q", held_keys)
+
+    def holds(self, key: int, entry_id: int) -> bool:
+        held = self.holders.get(key)
+        if held is None:
             return False
-        if holders.__class__ is int:
-            return holders in entry_ids
-        return not entry_ids.isdisjoint(holders)  # type: ignore[arg-type]
+        if held.__class__ is int:
+            return held == entry_id
+        return entry_id in held  # type: ignore[operator]
+
+    def remove(self, entry_id: int, keys: Sequence[int], counts: list[int]) -> None:
+        holders_map = self.holders
+        removed = released = 0
+        for key in keys:
+            held = holders_map.get(key)
+            if held is None:
+                continue
+            if held.__class__ is int:
+                if held == entry_id:
+                    del holders_map[key]
+                    removed += 1
+                continue
+            holder_lru: dict[int, int] = held  # type: ignore[assignment]
+            copies = holder_lru.get(entry_id)
+            if copies is None:
+                continue
+            # Removal is not a store: the key and the entry keep their places in both LRUs.
+            if copies > 1:
+                holder_lru[entry_id] = copies - 1
+                released += 1
+            else:
+                del holder_lru[entry_id]
+                removed += 1
+            _fold(holders_map, key, holder_lru)
+        counts[_REMOVED] += removed
+        counts[_RELEASED] += released
+        counts[_MISSING] += len(keys) - removed - released
+        if removed:
+            left = self.entry_live[entry_id] - removed
+            self.entry_live[entry_id] = left
+            if not left:
+                del self.entry_keys[entry_id]
+
+    def held_by_any(self, key: int, entry_ids: frozenset[int]) -> bool:
+        held = self.holders.get(key)
+        if held is None:
+            return False
+        if held.__class__ is int:
+            return held in entry_ids
+        return not entry_ids.isdisjoint(held)  # type: ignore[arg-type]
 
     def clear_entries(self, entry_ids: Iterable[int]) -> int:
-        lru = self.lru
+        """Drop every pair of these entries (cost: the length of their logs); returns pairs dropped."""
+        holders_map = self.holders
         cleared = 0
         for entry_id in entry_ids:
-            keys = self.entry_keys.pop(entry_id, None)
-            if not keys:
+            log = self.entry_keys.pop(entry_id, None)
+            self.entry_live.pop(entry_id, None)
+            if log is None:
                 continue
-            for key in keys:
-                holders = lru[key]
-                if holders.__class__ is int:
-                    del lru[key]
-                else:
-                    assert isinstance(holders, dict)
-                    del holders[entry_id]
-                    if len(holders) == 1:
-                        lru[key] = next(iter(holders))
-            cleared += len(keys)
+            for key in log:
+                held = holders_map.get(key)
+                if held is None:
+                    continue
+                if held.__class__ is int:
+                    if held == entry_id:
+                        del holders_map[key]
+                        cleared += 1
+                elif entry_id in held:  # type: ignore[operator]
+                    holder_lru: dict[int, int] = held  # type: ignore[assignment]
+                    del holder_lru[entry_id]
+                    cleared += 1
+                    _fold(holders_map, key, holder_lru)
         return cleared
 
 
-class KVIndex:
-    """Block key -> the pod entries holding it, bounded at both levels.
+def _fold(holders_map: dict[int, _Holders], key: int, holder_lru: dict[int, int]) -> None:
+    """Restore the holder invariant after a pair lost copies (the key keeps its LRU place)."""
+    if len(holder_lru) > 1:
+        return
+    if not holder_lru:
+        del holders_map[key]
+        return
+    ((only, only_copies),) = holder_lru.items()
+    if only_copies == 1:
+        holders_map[key] = only
 
-    Keys are spread over `num_shards` shards by `key % num_shards`, each with its own lock. A shard holds at
-    most `max(1, max_keys // num_shards)` keys and evicts its least recently *stored* key; a key holds at most
-    `max_pods_per_key` entries and evicts its least recently stored entry. Reads never reorder either LRU.
-    A batch (`apply`) takes each shard's lock once and applies that shard's part of the batch in event order,
-    so a reader sees each key either before or after the whole batch, never in between.
+
+def _check_keys(keys: Sequence[int]) -> None:
+    """Refuse anything but unsigned 64-bit int keys, before the batch changes anything."""
+    try:
+        array("Q", keys)
+    except (TypeError, OverflowError) as exc:
+        bad = next((key for key in keys if not isinstance(key, int)), None)
+        if bad is not None:
+            raise TypeError(f"block keys must be ints, got {bad!r}") from exc
+        raise ValueError(f"block keys must be unsigned 64-bit ints, got {min(keys)}..{max(keys)}") from exc
+
+
+class KVIndex:
+    """Block key -> the pod entries holding it (with their copy counts), bounded at both levels.
+
+    Keys are spread over `num_shards` shards by `key % num_shards`, each with its own lock (one shard by
+    default: under the GIL more shards only add routing work; more help only free-threaded builds). A
+    shard holds at most `shard_capacity = max(1, max_keys // num_shards)` keys: past that it evicts its
+    least recently *stored* keys down to `shard_low_water` (capacity minus 1/64th; exactly the overflow
+    below 64 keys). A key holds at most `max_pods_per_key` entries and evicts its least recently stored
+    entry. Reads never reorder either LRU.
+
+    Copies: BlocksStored of a pair already held adds a copy (up to MAX_COPIES) and refreshes recency;
+    BlocksRemoved drops one copy and the pair only with its last; AllBlocksCleared / clear_pod drop the
+    pod's pairs whatever their counts. A batch (`apply`) takes each shard's lock once and applies that
+    shard's part of the batch in event order, so a reader sees each key either before or after the whole
+    batch, never in between.
     """
 
     def __init__(
-        self, *, num_shards: int = 16, max_keys: int = 50_000_000, max_pods_per_key: int = 256
+        self, *, num_shards: int = 1, max_keys: int = 50_000_000, max_pods_per_key: int = 256
     ) -> None:
         if num_shards < 1 or max_keys < 1 or max_pods_per_key < 1:
             raise ValueError(
@@ -222,9 +320,12 @@ class KVIndex:
         self.max_pods_per_key = max_pods_per_key
         self.shard_capacity = max(1, max_keys // num_shards)
         self._shards = [_Shard(self.shard_capacity, max_pods_per_key) for _ in range(num_shards)]
+        self.shard_low_water = self._shards[0].low_water
         # Interned entries: ids are small ints, never reused, append-only (readable without the lock).
         self._intern_lock = threading.Lock()
         self._entries: list[Entry] = []
+        # entry id -> (entry id,): the lookup answer for a single holder, shared instead of allocated.
+        self._single_ids: list[HolderIds] = []
         self._entry_ids: dict[Entry, int] = {}
         self._pod_entry_ids: dict[PodRef, frozenset[int]] = {}
         self._pod_id_entry_ids: dict[str, frozenset[int]] = {}
@@ -243,6 +344,7 @@ class KVIndex:
             if entry_id is None:
                 entry_id = len(self._entries)
                 self._entries.append(entry)
+                self._single_ids.append((entry_id,))
                 self._entry_ids[entry] = entry_id
                 self._pod_entry_ids[pod] = self._pod_entry_ids.get(pod, frozenset()) | {entry_id}
                 by_id = self._pod_id_entry_ids
@@ -262,66 +364,75 @@ class KVIndex:
     def apply(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
         """Apply one pod's events in order (a whole batch at once); returns what changed.
 
-        The batch is validated and routed to shards before anything changes, so a bad event (wrong type,
-        non-int key) raises TypeError/ValueError and leaves the index untouched. A BlocksStored whose
-        parent_key is set but held by this pod on no tier (at that point of the batch) is still applied
-        and counted in `unknown_parents`.
+        The batch is validated (and routed to shards) before anything changes, so a bad event (wrong
+        type, a key that is not an unsigned 64-bit int) raises TypeError/ValueError and leaves the index
+        untouched. A BlocksStored whose parent_key is set but held by this pod on no tier (at that point
+        of the batch) is still applied and counted in `unknown_parents`.
         """
+        if self.num_shards == 1:
+            steps = self._validate(pod, events)
+            counts = [0] * 9
+            shard = self._shards[0]
+            pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
+            with shard.lock:
+                shard.apply_runs(steps, pod_entry_ids, counts)
+            return ApplyStats(*counts)
+        return self._apply_sharded(pod, events)
+
+    def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[_Run]:
+        """The batch as one shard's steps, in event order; raises before anything changes."""
+        steps: list[_Run] = []
+        for event in events:
+            if isinstance(event, BlocksStored):
+                entry_id = self._intern(pod, event.tier)
+                keys = event.block_keys
+                _check_keys(keys)
+                parent_key = event.parent_key
+                if parent_key is not None:
+                    _check_keys((parent_key,))
+                    steps.append((_OP_CHECK_PARENT, 0, parent_key))
+                if keys:
+                    steps.append((_OP_STORE, entry_id, keys))
+            elif isinstance(event, BlocksRemoved):
+                entry_id = self._intern(pod, event.tier)
+                keys = event.block_keys
+                _check_keys(keys)
+                if keys:
+                    steps.append((_OP_REMOVE, entry_id, keys))
+            elif isinstance(event, AllBlocksCleared):
+                steps.append((_OP_CLEAR, 0, 0))
+            else:
+                raise TypeError(f"not a KV event: {type(event).__name__}")
+        return steps
+
+    def _apply_sharded(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
         num_shards = self.num_shards
         # Shard -> its part of the batch, in event order; only shards the batch touches appear.
         shard_runs: dict[int, list[_Run]] = {}
-        # Per shard, the key list of the current (op, entry) run; None until a key goes there, and reset
-        # when the (op, entry) changes or a parent check must come between two keys.
-        current: list[list[int] | None] = [None] * num_shards
-        mode: tuple[int, int] | None = None
-        for event in events:
-            if isinstance(event, BlocksStored):
-                op, entry_id = _OP_STORE, self._intern(pod, event.tier)
-            elif isinstance(event, BlocksRemoved):
-                op, entry_id = _OP_REMOVE, self._intern(pod, event.tier)
-            elif isinstance(event, AllBlocksCleared):
+        for op, entry_id, arg in self._validate(pod, events):
+            if op == _OP_CLEAR:
                 for shard_no in range(num_shards):
-                    shard_runs.setdefault(shard_no, []).append((_OP_CLEAR, 0, 0))
-                current = [None] * num_shards
-                mode = None
-                continue
+                    shard_runs.setdefault(shard_no, []).append((op, entry_id, arg))
+            elif op == _OP_CHECK_PARENT:
+                shard_runs.setdefault(arg % num_shards, []).append((op, entry_id, arg))  # type: ignore[operator]
             else:
-                raise TypeError(f"not a KV event: {type(event).__name__}")
-            keys = event.block_keys
-            if keys and min(keys) < 0:
-                raise ValueError(f"block keys must be unsigned, got {min(keys)}")
-            if mode != (op, entry_id):
-                mode = (op, entry_id)
-                current = [None] * num_shards
-            if op == _OP_STORE:
-                parent_key = event.parent_key  # type: ignore[union-attr]
-                if parent_key is not None:
-                    # Checked in the parent's shard at this point of the batch.
-                    shard_no = parent_key % num_shards
-                    shard_runs.setdefault(shard_no, []).append((_OP_CHECK_PARENT, 0, parent_key))
-                    current[shard_no] = None
-            for key in keys:
-                shard_no = key % num_shards
-                bucket = current[shard_no]
-                if bucket is None:
-                    bucket = current[shard_no] = []
-                    runs = shard_runs.get(shard_no)
-                    if runs is None:
-                        shard_runs[shard_no] = [(op, entry_id, bucket)]
+                # One key list per shard this event touches (no per-block tuples).
+                buckets: dict[int, list[int]] = {}
+                for key in arg:  # type: ignore[union-attr]
+                    bucket = buckets.get(key % num_shards)
+                    if bucket is None:
+                        buckets[key % num_shards] = [key]
                     else:
-                        runs.append((op, entry_id, bucket))
-                bucket.append(key)
-
-        counts = [0] * 8
+                        bucket.append(key)
+                for shard_no, bucket in buckets.items():
+                    shard_runs.setdefault(shard_no, []).append((op, entry_id, bucket))
+        counts = [0] * 9
         pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
         shards = self._shards
         for shard_no, runs in shard_runs.items():
             shard = shards[shard_no]
             with shard.lock:
-                if len(runs) == 1 and runs[0][0] == _OP_STORE:
-                    shard.store(runs[0][1], runs[0][2], counts)  # type: ignore[arg-type]
-                else:
-                    shard.apply_runs(runs, pod_entry_ids, counts)
+                shard.apply_runs(runs, pod_entry_ids, counts)
         return ApplyStats(*counts)
 
     def clear_pod(self, pod: PodRef) -> int:
@@ -340,8 +451,10 @@ class KVIndex:
     def lookup_ids(self, block_keys: Sequence[int], pods: Collection[str] | None = None) -> list[HolderIds]:
         """Entry ids holding each leading block, stopping at the first block no (selected) pod holds.
 
-        Each key is read under its shard's lock (a consistent view per key); reads never reorder the LRU.
-        `pods` restricts the answer to those pod ids (every dp rank and tier of each).
+        The whole lookup runs under every shard's lock (taken in shard order), so it sees each batch
+        either entirely or not at all; reads never reorder the LRU. `pods` restricts the answer to those
+        pod ids (every dp rank and tier of each). Within one key, ids are least recently stored first.
+        Single-holder answers are shared tuples: treat the result as read-only.
         """
         allowed: frozenset[int] | None = None
         if pods is not None:
@@ -349,23 +462,41 @@ class KVIndex:
             allowed = frozenset().union(*(by_id.get(pod_id, ()) for pod_id in pods))
             if not allowed:
                 return []
-        shards = self._shards
-        num_shards = self.num_shards
+        single_ids = self._single_ids
         result: list[HolderIds] = []
         append = result.append
-        for key in block_keys:
-            shard = shards[key % num_shards]
-            with shard.lock:
-                holders = shard.lru.get(key)
-                if holders is None:
-                    break
-                ids: HolderIds = (holders,) if holders.__class__ is int else tuple(holders)  # type: ignore[arg-type]
-            if allowed is not None:
-                ids = tuple(entry_id for entry_id in ids if entry_id in allowed)
-                if not ids:
-                    break
-            append(ids)
-        return result
+        shards = self._shards
+        locks = [shard.lock for shard in shards]
+        for lock in locks:
+            lock.acquire()
+        try:
+            if len(shards) == 1:
+                get = shards[0].holders.get
+                for key in block_keys:
+                    held = get(key)
+                    if held is None:
+                        break
+                    append(single_ids[held] if held.__class__ is int else tuple(held))  # type: ignore[arg-type]
+            else:
+                maps = [shard.holders for shard in shards]
+                num_shards = len(maps)
+                for key in block_keys:
+                    held = maps[key % num_shards].get(key)
+                    if held is None:
+                        break
+                    append(single_ids[held] if held.__class__ is int else tuple(held))  # type: ignore[arg-type]
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        if allowed is None:
+            return result
+        filtered: list[HolderIds] = []
+        for ids in result:
+            kept = tuple(entry_id for entry_id in ids if entry_id in allowed)
+            if not kept:
+                break
+            filtered.append(kept)
+        return filtered
 
     def lookup(self, block_keys: Sequence[int], pods: Collection[str] | None = None) -> list[Holders]:
         """Holders of each leading block, stopping at the first block no (selected) pod holds.
@@ -378,22 +509,20 @@ class KVIndex:
     # -- stats (O(entries of the index's pods x shards), not O(blocks)) ------------------------------
 
     def num_keys(self) -> int:
-        return sum(len(shard.lru) for shard in self._shards)
+        return sum(len(shard.holders) for shard in self._shards)
 
     def num_entries(self) -> int:
-        """(block, pod entry) pairs held, counting a block once per pod and tier."""
-        return sum(len(keys) for shard in self._shards for keys in list(shard.entry_keys.values()))
+        """(block, pod entry) pairs held, counting a block once per pod and tier (not per copy)."""
+        return sum(sum(list(shard.entry_live.values())) for shard in self._shards)
 
     def pod_block_count(self, pod: PodRef, tier: str | None = None) -> int:
-        """Blocks one pod holds, counted once per tier (or on `tier` only)."""
+        """Blocks one pod holds, counted once per tier (or on `tier` only), not per copy."""
         total = 0
         for entry_id in self._pod_entry_ids.get(pod, ()):
             if tier is not None and self._entries[entry_id][1] != tier:
                 continue
             for shard in self._shards:
-                keys = shard.entry_keys.get(entry_id)
-                if keys:
-                    total += len(keys)
+                total += shard.entry_live.get(entry_id, 0)
         return total
 
     def pods(self) -> list[PodRef]:
@@ -404,13 +533,17 @@ class KVIndex:
 
     def snapshot(self) -> dict[int, frozenset[Entry]]:
         """Every key and its holders (takes each shard lock once)."""
+        return {key: frozenset(entries) for key, entries in self.snapshot_copies().items()}
+
+    def snapshot_copies(self) -> dict[int, dict[Entry, int]]:
+        """Every key and its holders with their copy counts (takes each shard lock once)."""
         entries = self._entries
-        result: dict[int, frozenset[Entry]] = {}
+        result: dict[int, dict[Entry, int]] = {}
         for shard in self._shards:
             with shard.lock:
-                for key, holders in shard.lru.items():
-                    ids = (holders,) if holders.__class__ is int else tuple(holders)  # type: ignore[arg-type]
-                    result[key] = frozenset(entries[i] for i in ids)
+                for key, held in shard.holders.items():
+                    copies = {held: 1} if held.__class__ is int else held
+                    result[key] = {entries[i]: count for i, count in copies.items()}  # type: ignore[union-attr]
         return result
 
     def check_consistency(self) -> list[str]:
@@ -418,22 +551,30 @@ class KVIndex:
         problems: list[str] = []
         for shard_no, shard in enumerate(self._shards):
             with shard.lock:
-                if len(shard.lru) > shard.capacity:
-                    problems.append(f"shard {shard_no}: {len(shard.lru)} keys > {shard.capacity}")
-                forward: set[tuple[int, int]] = set()
-                for key, holders in shard.lru.items():
+                if len(shard.holders) > shard.capacity:
+                    problems.append(f"shard {shard_no}: {len(shard.holders)} keys > {shard.capacity}")
+                live: dict[int, int] = {}
+                logged = {entry_id: set(log) for entry_id, log in shard.entry_keys.items()}
+                for key, held in shard.holders.items():
                     if key % self.num_shards != shard_no:
                         problems.append(f"key {key} in shard {shard_no}")
-                    if isinstance(holders, dict):
-                        if not 2 <= len(holders) <= self.max_pods_per_key:
-                            problems.append(f"key {key}: {len(holders)} holders in a dict")
-                        forward.update((entry_id, key) for entry_id in holders)
+                    if isinstance(held, dict):
+                        if not 1 <= len(held) <= self.max_pods_per_key:
+                            problems.append(f"key {key}: {len(held)} holders in a dict")
+                        if len(held) == 1 and next(iter(held.values())) == 1:
+                            problems.append(f"key {key}: one holder with one copy left in a dict")
+                        if not all(1 <= count <= MAX_COPIES for count in held.values()):
+                            problems.append(f"key {key}: copy counts out of range {held}")
+                        ids: Iterable[int] = held
                     else:
-                        forward.add((holders, key))
-                reverse = {(e, key) for e, keys in shard.entry_keys.items() for key in keys}
-                if forward != reverse:
-                    problems.append(
-                        f"shard {shard_no}: reverse map differs, {len(forward - reverse)} missing, "
-                        f"{len(reverse - forward)} stale"
-                    )
+                        ids = (held,)
+                    for entry_id in ids:
+                        live[entry_id] = live.get(entry_id, 0) + 1
+                        if key not in logged.get(entry_id, ()):
+                            problems.append(
+                                f"shard {shard_no}: key {key} missing from entry {entry_id}'s log"
+                            )
+                counted = {entry_id: n for entry_id, n in shard.entry_live.items() if n}
+                if counted != live:
+                    problems.append(f"shard {shard_no}: live counts {counted} != held pairs {live}")
         return problems

@@ -1,7 +1,7 @@
 """One conformance suite for KVIndex, run over several shard counts and capacities.
 
-Expected values come from the event rules (store adds, remove drops one tier, clear drops the pod, the
-least recently stored key / entry goes first), never from the index's own output.
+Expected values come from the event rules (each store adds a copy, each remove drops one copy of one tier,
+clear drops the pod, the least recently stored key / entry goes first), never from the index's own output.
 """
 
 from __future__ import annotations
@@ -143,11 +143,18 @@ class TestKVIndexConformance:
         index.apply(POD_A, [stored(keys[:capacity])])
         index.apply(POD_B, [stored(keys[:1])])  # re-storing key 0 makes key 1 the oldest
         stats = index.apply(POD_A, [stored(keys[capacity:])])
-        assert stats.evicted_keys == 1 and stats.evicted_entries == 1
+        # Over capacity, a shard drops its oldest keys down to its low-water mark (the capacity minus
+        # 1/64th, so exactly one key below 64): here keys 1, 2, ... in store order.
+        num_evicted = capacity + 1 - index.shard_low_water
+        assert num_evicted == (1 if capacity < 64 else 1 + capacity // 64)
+        assert stats.evicted_keys == num_evicted and stats.evicted_entries == num_evicted
         assert holders_of(index, keys[1]) == set()
+        assert holders_of(index, keys[num_evicted]) == set()
+        if num_evicted + 1 < capacity:
+            assert holders_of(index, keys[num_evicted + 1]) == {(POD_A, TIER_GPU)}
         assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU), (POD_B, TIER_GPU)}
         assert holders_of(index, keys[capacity]) == {(POD_A, TIER_GPU)}
-        assert index.pod_block_count(POD_A) == capacity
+        assert index.pod_block_count(POD_A) == capacity + 1 - num_evicted
         assert index.check_consistency() == []
 
     def test_lookup_does_not_refresh_recency(self, index: KVIndex) -> None:
@@ -179,6 +186,46 @@ class TestKVIndexConformance:
         stats = index.apply(POD_A, [stored(keys)])
         assert (stats.stored_blocks, stats.refreshed_blocks) == (0, 2)
         assert index.num_entries() == 2
+
+    def test_each_copy_needs_its_own_removal(self, index: KVIndex) -> None:
+        # vLLM keeps identical blocks apart (a fully cached block-aligned prompt recomputes its last
+        # block): one BlocksStored per physical copy, later one BlocksRemoved per copy evicted.
+        (key,) = spread_keys(index, 1)
+        index.apply(POD_A, [stored([key])])
+        stats = index.apply(POD_A, [stored([key])])
+        assert (stats.stored_blocks, stats.refreshed_blocks) == (0, 1)
+        stats = index.apply(POD_A, [removed([key])])
+        assert (stats.removed_blocks, stats.released_copies, stats.missing_removals) == (0, 1, 0)
+        assert holders_of(index, key) == {(POD_A, TIER_GPU)}
+        assert index.num_entries() == 1 and index.pod_block_count(POD_A) == 1
+        stats = index.apply(POD_A, [removed([key])])
+        assert (stats.removed_blocks, stats.released_copies) == (1, 0)
+        assert holders_of(index, key) == set() and index.num_keys() == 0
+        stats = index.apply(POD_A, [removed([key])])
+        assert stats.missing_removals == 1
+        assert index.check_consistency() == []
+
+    def test_copies_are_counted_per_pod_and_tier(self, index: KVIndex) -> None:
+        (key,) = spread_keys(index, 1)  # at most 2 holders at once: no per-key eviction
+        index.apply(POD_A, [stored([key]), stored([key])])
+        index.apply(POD_B, [stored([key])])
+        index.apply(POD_B, [removed([key])])  # b's only copy
+        index.apply(POD_A, [stored([key], tier=TIER_CPU)])
+        index.apply(POD_A, [removed([key], tier=TIER_CPU), removed([key])])  # one of a's two GPU copies
+        assert holders_of(index, key) == {(POD_A, TIER_GPU)}
+        index.apply(POD_A, [removed([key])])
+        assert holders_of(index, key) == set()
+        assert index.check_consistency() == []
+
+    def test_clear_drops_every_copy(self, index: KVIndex) -> None:
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys), stored(keys[:1]), stored(keys[:1])])
+        index.apply(POD_B, [stored(keys[:1])])
+        assert index.clear_pod(POD_A) == 2  # pairs, not copies
+        assert holders_of(index, keys[0]) == {(POD_B, TIER_GPU)}
+        index.apply(POD_B, [stored(keys[:1]), AllBlocksCleared(), stored(keys[1:])])
+        index.apply(POD_B, [removed(keys[1:])])
+        assert index.num_keys() == 0 and index.check_consistency() == []
 
     def test_reverse_map_stays_consistent_under_both_evictions(self, index: KVIndex) -> None:
         pods = [PodRef(f"p{i}", dp_rank=i % 2) for i in range(6)]

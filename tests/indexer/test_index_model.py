@@ -1,8 +1,9 @@
 """KVIndex driven by hypothesis against a reference model written from the event rules.
 
-The model is a plain dict block key -> set of (pod, tier): BlocksStored adds the pod's tier to each key,
-BlocksRemoved drops that tier, AllBlocksCleared drops the pod; a stored block's parent is "unknown" when
-the pod holds it on no tier at that moment. Unbounded, the index must equal the model exactly; bounded,
+The model is a plain dict block key -> {(pod, tier): copies}: vLLM announces each physical copy of a
+block, so BlocksStored adds one copy of the pod's tier to each key (at most MAX_COPIES), BlocksRemoved
+drops one copy and the pair with its last, AllBlocksCleared drops the pod whatever the counts; a stored
+block's parent is "unknown" when the pod holds it on no tier at that moment. Unbounded, the index must equal the model exactly; bounded,
 it must hold a subset of it and respect its caps.
 """
 
@@ -21,7 +22,7 @@ from kvindex.indexer.events import (
     KVEvent,
     PodRef,
 )
-from kvindex.indexer.index import KVIndex
+from kvindex.indexer.index import MAX_COPIES, KVIndex
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +48,7 @@ events_strategy = st.lists(
     max_size=4,
 )
 
-Model = dict[int, set[tuple[PodRef, str]]]
+Model = dict[int, dict[tuple[PodRef, str], int]]
 
 
 def model_apply(model: Model, pod: PodRef, events: list[KVEvent]) -> int:
@@ -59,13 +60,19 @@ def model_apply(model: Model, pod: PodRef, events: list[KVEvent]) -> int:
             if parent is not None and not any(p == pod for p, _ in model.get(parent, ())):
                 unknown_parents += 1
             for key in event.block_keys:
-                model.setdefault(key, set()).add((pod, event.tier))
+                copies = model.setdefault(key, {})
+                copies[(pod, event.tier)] = min(MAX_COPIES, copies.get((pod, event.tier), 0) + 1)
         elif isinstance(event, BlocksRemoved):
             for key in event.block_keys:
-                model.get(key, set()).discard((pod, event.tier))
+                copies = model.get(key, {})
+                if (pod, event.tier) in copies:
+                    copies[(pod, event.tier)] -= 1
+                    if not copies[(pod, event.tier)]:
+                        del copies[(pod, event.tier)]
         else:
-            for holders in model.values():
-                holders.difference_update({h for h in holders if h[0] == pod})
+            for copies in model.values():
+                for holder in [h for h in copies if h[0] == pod]:
+                    del copies[holder]
     for key in [k for k, holders in model.items() if not holders]:
         del model[key]
     return unknown_parents
@@ -100,7 +107,7 @@ class UnboundedIndexMatchesModel(RuleBasedStateMachine):
 
     @invariant()
     def same_content(self) -> None:
-        assert self.index.snapshot() == {k: frozenset(v) for k, v in self.model.items()}
+        assert self.index.snapshot_copies() == self.model
         assert self.index.num_entries() == sum(len(v) for v in self.model.values())
         for pod in PODS:
             held = sum(1 for holders in self.model.values() for p, _ in holders if p == pod)
@@ -130,7 +137,12 @@ class BoundedIndexStaysWithinModelAndCaps(RuleBasedStateMachine):
         assert len(snapshot) <= 6
         for key, holders in snapshot.items():
             assert 1 <= len(holders) <= 2
-            assert holders <= self.model.get(key, set())
+            assert holders <= self.model.get(key, {}).keys()
+        # Evictions drop whole pairs and the stores/removes after them change both sides alike, so the
+        # index never counts more copies than the model.
+        for key, copies in self.index.snapshot_copies().items():
+            for holder, count in copies.items():
+                assert count <= self.model[key][holder]
         assert self.index.check_consistency() == []
         for pod in PODS:
             held = sum(1 for holders in snapshot.values() for p, _ in holders if p == pod)
