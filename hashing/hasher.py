@@ -245,8 +245,9 @@ class BlockHasher:
         num_blocks = len(token_ids) // block_size
         digests: list[bytes] = []
         low_checks: list[LowCheck] = []
+        seg_tags: list[int] = []
         missed_segments = memo.resolve(
-            self._root, token_bytes, block_width, num_blocks, None, digests, low_checks
+            self._root, token_bytes, block_width, num_blocks, None, digests, low_checks, seg_tags
         )
         # A memo hit proves the values, not the types: True packs as 1. Re-check hits with ids below 2.
         for first, stop, unsettled_key in low_checks:
@@ -267,7 +268,9 @@ class BlockHasher:
                 self._hash_cbor(rest, None, first_new, num_blocks, digests)
             else:
                 self._hash_pickle(rest, None, first_new, num_blocks, digests)
-            memo.record(self._root, token_bytes, block_width, None, digests, first_new, missed_segments)
+            memo.record(
+                self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+            )
         return digests
 
     def _chain_validated(self, token_ids: Sequence[int], request_extras: RequestExtras) -> list[bytes]:

@@ -64,10 +64,12 @@ class DigestMemo:
         extras: Sequence[ExtraKeys] | None,
         digests: list[bytes],
         low_checks: list[LowCheck],
+        seg_tags: list[int] | None = None,
     ) -> list[int]:
         """Append the longest known prefix of the chain to `digests`.
 
-        Appends to `low_checks` each hit whose tokens hold or may hold an id below 2. Returns the first
+        Appends to `low_checks` each hit whose tokens hold or may hold an id below 2, and (without extra
+        keys) to `seg_tags` the tag of every full segment, for `record` to reuse. Returns the first
         block of every full segment whose lookup missed: the caller `record`s them once their blocks are
         known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
         """
@@ -90,6 +92,8 @@ class DigestMemo:
                     tag(view[start : start + seg_width])
                     for start in range(0, full_end * block_width, seg_width)
                 ]
+                if seg_tags is not None:
+                    seg_tags.extend(tags)
                 for seg_tag in tags:
                     seg_key: tuple[Any, ...] = (parent, seg_tag, None)
                     found = get_segment(seg_key)
@@ -158,11 +162,13 @@ class DigestMemo:
         digests: Sequence[bytes],
         first_new: int,
         missed_segments: list[int],
+        seg_tags: Sequence[int] = (),
     ) -> None:
         """Remember a chain whose blocks from `first_new` on were just hashed.
 
         Full segments go to the segment level (those that missed, and every one past `first_new`); blocks
-        of the ragged tail go to the block level, where the next, longer turn will find them.
+        of the ragged tail go to the block level, where the next, longer turn will find them. `seg_tags`:
+        the tags `resolve` computed for this prompt's full segments, if any.
         """
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
@@ -178,7 +184,7 @@ class DigestMemo:
             start = index * block_width
             seg_key = (
                 root if index == 0 else digests[index - 1],
-                tag(view[start : start + seg_width]),
+                seg_tags[index // seg] if seg_tags else tag(view[start : start + seg_width]),
                 None if extras is None else tuple(extras[index : index + seg]),
             )
             run = token_bytes[start : start + seg_width]
