@@ -515,6 +515,9 @@ class IngestService:
         tracker = stream.tracker
         before = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
         self._run_actions(stream, actions, acc)
+        # Off the common path (a join, replay, clear or skip): bring the index level with the tracker's
+        # state now rather than at the end of the drain, so a status read sees both agree.
+        self._flush(stream, acc)
         after = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
         for name, old, new in zip(("gaps", "duplicates", "history_lost"), before, after, strict=True):
             if new != old:

@@ -97,9 +97,10 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
             assert status_of(service, engine).state == "live"
         else:
             wait_for(lambda: status_of(service, engine).state == "resyncing", what="resyncing")
-            held = indexed_keys(index, engine.ref, engine.ever)
             ring_keys = {k for keys in engine.stored_order[-3:] for k in keys}
-            assert held == ring_keys  # what the ring still had, and nothing the engine dropped
+            # What the ring still had, and nothing the engine dropped (awaited: the state can be read a
+            # moment before the worker's apply lands).
+            wait_for(lambda: indexed_keys(index, engine.ref, engine.ever) == ring_keys, what="ring indexed")
             assert service.counters().history_lost >= 1
             engine.clear()  # the engine's whole cache is known again
             engine.store()
