@@ -363,12 +363,17 @@ class IngestService:
     # -- poller thread: frames -> queues (no decoding here) ---------------------------------------
 
     def _on_frames(self, source_id: str, frames: list[bytes]) -> None:
+        stream = self._source_streams.get(source_id)
+        if stream is not None and len(frames) == 3 and len(frames[1]) == 8:
+            # Connect mode, well-formed (what parse_live would accept): no intermediate message object.
+            seq = int.from_bytes(frames[1], "big")
+            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, seq, frames[2]))
+            return
         try:
             message = parse_live(frames)
         except FrameError as exc:
             self._drop(exc.reason, f"{source_id}: {exc.detail}")
             return
-        stream = self._source_streams.get(source_id)
         if stream is not None:
             self._submit(stream.ref.pod_id, _Live(source_id, stream.model, message.seq, message.payload))
             return
