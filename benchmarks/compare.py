@@ -22,7 +22,6 @@ from benchmarks.dynamo import DynamoIndexer, dynamo_local_hashes
 from benchmarks.service import (
     JsonClient,
     KvindexService,
-    await_condition,
     blocks_per_engine_dynamo,
     blocks_per_engine_kvindex,
 )
@@ -165,6 +164,7 @@ class Subject(Protocol):
     port: int
 
     def caught_up(self, round_index: int) -> bool: ...
+    def progress(self) -> str: ...
     def rss_bytes(self) -> int: ...
     def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]: ...
     def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]: ...
@@ -181,6 +181,11 @@ class KvindexSubject:
 
     def caught_up(self, round_index: int) -> bool:
         return self.service.caught_up(self.publishers.last_seqs(round_index))
+
+    def progress(self) -> str:
+        pods = self.service.pods()
+        states = sorted({pod["state"] for pod in pods})
+        return f"sum of last_seq {sum(pod['last_seq'] or 0 for pod in pods)}, pod states {states}"
 
     def rss_bytes(self) -> int:
         return self.service.rss_bytes()
@@ -205,6 +210,9 @@ class DynamoSubject:
 
     def caught_up(self, round_index: int) -> bool:
         return sum(self.indexer.events_applied().values()) >= (round_index + 1) * self.events_per_round
+
+    def progress(self) -> str:
+        return f"events applied {self.indexer.events_applied()}"
 
     def rss_bytes(self) -> int:
         return self.indexer.rss_bytes()
@@ -309,6 +317,24 @@ class SubjectResult:
         }
 
 
+def await_ingest(subject: Subject, round_index: int, timeout_s: float, stall_s: float = 60.0) -> None:
+    """Return once `subject` has ingested round `round_index`; fail early (with its state) if it makes no
+    progress for `stall_s` — e.g. messages dropped with no replay to repair them."""
+    deadline = time.monotonic() + timeout_s
+    last_progress, last_change = "", time.monotonic()
+    while not subject.caught_up(round_index):
+        now = time.monotonic()
+        if now - last_change > 5.0 or not last_progress:
+            progress = subject.progress()
+            if progress != last_progress:
+                last_progress, last_change = progress, now
+            elif now - last_change > stall_s:
+                raise TimeoutError(f"{subject.name} stalled for {stall_s:.0f}s before ingesting: {progress}")
+        if now > deadline:
+            raise TimeoutError(f"{subject.name} did not ingest round {round_index} in {timeout_s:.0f}s")
+        time.sleep(POLL_S)  # ok: polling with a deadline
+
+
 def _timed_post(client: JsonClient, path: str, body: bytes) -> tuple[float, Any]:
     began = time.perf_counter()
     response = client.request("POST", path, body)
@@ -377,7 +403,7 @@ def run_subject(
         publishers.await_subscribers()
         result.rss_before = subject.rss_bytes()
         publishers.start_round(0)
-        await_condition(lambda: subject.caught_up(0), ingest_timeout_s, f"{kind} to ingest round 0", POLL_S)
+        await_ingest(subject, 0, ingest_timeout_s)
         done = time.monotonic()
         first, last = publishers.finish_round()
         result.ingest_s, result.publish_s = done - first, last - first
@@ -394,9 +420,7 @@ def run_subject(
                 max_rounds=20,
                 warm_up=False,
             )
-            await_condition(
-                lambda: subject.caught_up(1), ingest_timeout_s, f"{kind} to ingest round 1", POLL_S
-            )
+            await_ingest(subject, 1, ingest_timeout_s)
             done = time.monotonic()  # to within the 10 queries between checks
             first, _ = publishers.finish_round()
             result.during_ingest_s = done - first
