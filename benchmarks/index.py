@@ -1,9 +1,13 @@
 """Benchmark of the block index alone (no ZMQ, no decoding): apply throughput, lookup/score latency, memory.
 
-Workload: N pods each store ~B blocks as 16-block BlocksStored events (one event per batch): sequences of
-one of 10 shared 256-block prefixes (stored only the first time a pod uses it) followed by 256 blocks of
-its own. Prompts are 512-block sequences a pod stored. A plain dict-of-sets index (no LRU, locks or
-reverse map) applies the same events in the same run, as the floor of what Python can do.
+Workload: N pods each store ~B blocks as 16-block BlocksStored events, 8 events per batch: sequences of one
+of 10 shared P-block prefixes (stored only the first time a pod uses it) followed by P blocks of its own.
+Prompts are 2P-block sequences a pod stored. A plain dict-of-sets index (no LRU, locks, copies or reverse
+map) applies the same batches in the same run, as the floor of what Python can do.
+
+Each index runs in a fresh subprocess, so no row reuses memory another freed. Bytes per (pod, block) pair
+are the RSS growth of applying a workload generated on the fly: the index owns its block keys, as it does
+in the service (a pre-built workload would share them and hide ~36 B per key).
 
     python -m benchmarks.index [--quick]
 """
@@ -12,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
+import subprocess
+import sys
 import time
-import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvindex.indexer.events import BlocksStored, PodRef
@@ -25,6 +31,9 @@ from kvindex.indexer.scorer import score_prefix
 from benchmarks._table import format_table
 
 Batch = tuple[PodRef, list[BlocksStored]]
+EVENT_BLOCKS = 16
+BATCH_EVENTS = 8
+INDEXES = ("dict-of-sets (baseline)", "KVIndex 1 shard", "KVIndex 4 shards")
 
 
 @dataclass(frozen=True)
@@ -34,33 +43,44 @@ class Workload:
     num_blocks: int
 
 
-def build_workload(num_pods: int, blocks_per_pod: int, prefix_blocks: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
+def iter_batches(
+    num_pods: int, blocks_per_pod: int, prefix_blocks: int, prompts: list[list[int]] | None = None
+) -> Iterator[Batch]:
+    """The workload's batches in order, built as they are consumed (seeded: always the same)."""
+    rng = random.Random(0)
     prefixes = [[rng.getrandbits(64) for _ in range(prefix_blocks)] for _ in range(10)]
-    batches: list[Batch] = []
-    prompts: list[list[int]] = []
     for pod_no in range(num_pods):
         pod = PodRef(f"pod-{pod_no}")
         held_prefixes: set[int] = set()
+        events: list[BlocksStored] = []
         stored = 0
         while stored < blocks_per_pod:
             prefix_no = rng.randrange(10)
-            suffix = [rng.getrandbits(64) for _ in range(prefix_blocks)]
-            chain = prefixes[prefix_no] + suffix
-            prompts.append(chain)
+            chain = prefixes[prefix_no] + [rng.getrandbits(64) for _ in range(prefix_blocks)]
+            if prompts is not None:
+                prompts.append(chain)
             first = prefix_blocks if prefix_no in held_prefixes else 0
             held_prefixes.add(prefix_no)
             to_store = chain[first : first + blocks_per_pod - stored]
             parent = chain[first - 1] if first else None
-            for start in range(0, len(to_store), 16):
-                keys = tuple(to_store[start : start + 16])
-                batches.append(
-                    (pod, [BlocksStored(block_keys=keys, parent_key=parent, token_ids=(), block_size=16)])
-                )
+            for start in range(0, len(to_store), EVENT_BLOCKS):
+                keys = tuple(to_store[start : start + EVENT_BLOCKS])
+                events.append(BlocksStored(block_keys=keys, parent_key=parent, token_ids=(), block_size=16))
                 parent = keys[-1]
+                if len(events) == BATCH_EVENTS:
+                    yield pod, events
+                    events = []
             stored += len(to_store)
-    rng.shuffle(prompts)
-    return Workload(batches, prompts, sum(len(b[1][0].block_keys) for b in batches))
+        if events:
+            yield pod, events
+
+
+def build_workload(num_pods: int, blocks_per_pod: int, prefix_blocks: int) -> Workload:
+    prompts: list[list[int]] = []
+    batches = list(iter_batches(num_pods, blocks_per_pod, prefix_blocks, prompts))
+    random.Random(1).shuffle(prompts)
+    num_blocks = sum(len(event.block_keys) for _, events in batches for event in events)
+    return Workload(batches, prompts, num_blocks)
 
 
 class DictOfSetsIndex:
@@ -80,37 +100,28 @@ class DictOfSetsIndex:
                 else:
                     found.add(entry)
 
+    def lookup(self, block_keys: Sequence[int]) -> list[tuple[tuple[PodRef, str], ...]]:
+        result = []
+        for key in block_keys:
+            found = self.holders.get(key)
+            if not found:
+                break
+            result.append(tuple(found))
+        return result
+
+    def num_entries(self) -> int:
+        return sum(len(found) for found in self.holders.values())
+
+
+def make_index(name: str) -> KVIndex | DictOfSetsIndex:
+    if name == INDEXES[0]:
+        return DictOfSetsIndex()
+    return KVIndex(num_shards=int(name.split()[1]))
+
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096
-
-
-def time_apply(
-    make: Callable[[], KVIndex | DictOfSetsIndex], workload: Workload
-) -> tuple[float, int, object]:
-    """Blocks/s of applying every batch, and the RSS the index grew by."""
-    gc.collect()
-    rss_before = rss_bytes()
-    index = make()
-    apply = index.apply
-    started = time.perf_counter()
-    for pod, events in workload.batches:
-        apply(pod, events)
-    elapsed = time.perf_counter() - started
-    return workload.num_blocks / elapsed, rss_bytes() - rss_before, index
-
-
-def traced_bytes(make: Callable[[], KVIndex | DictOfSetsIndex], workload: Workload) -> int:
-    gc.collect()
-    tracemalloc.start()
-    try:
-        index = make()
-        for pod, events in workload.batches:
-            index.apply(pod, events)
-        return tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -118,13 +129,12 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-def time_reads(index: KVIndex, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
+def time_reads(index: KVIndex | DictOfSetsIndex, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
+    readers: dict[str, Callable[[list[int]], object]] = {"lookup": index.lookup}
+    if isinstance(index, KVIndex):
+        readers["lookup_ids"] = index.lookup_ids
+        readers["score_prefix"] = lambda prompt: score_prefix(index, prompt, block_size=16)
     results = {}
-    readers: dict[str, Callable[[list[int]], object]] = {
-        "lookup_ids": index.lookup_ids,
-        "lookup": index.lookup,
-        "score_prefix": lambda prompt: score_prefix(index, prompt, block_size=16),
-    }
     for name, read in readers.items():
         samples = []
         for prompt in prompts:
@@ -135,47 +145,74 @@ def time_reads(index: KVIndex, prompts: list[list[int]]) -> dict[str, tuple[floa
     return results
 
 
+def measure(name: str, num_pods: int, blocks_per_pod: int, prefix_blocks: int, num_prompts: int) -> dict:
+    """One index, in this (fresh) process: RSS per pair, then apply throughput and read latency."""
+    gc.collect()
+    rss_before = rss_bytes()
+    index = make_index(name)
+    for pod, events in iter_batches(num_pods, blocks_per_pod, prefix_blocks):
+        index.apply(pod, events)
+    gc.collect()
+    num_pairs = index.num_entries()
+    bytes_per_pair = (rss_bytes() - rss_before) / num_pairs
+    del index
+
+    workload = build_workload(num_pods, blocks_per_pod, prefix_blocks)
+    index = make_index(name)
+    apply = index.apply
+    started = time.perf_counter()
+    for pod, events in workload.batches:
+        apply(pod, events)
+    blocks_per_s = workload.num_blocks / (time.perf_counter() - started)
+    reads = time_reads(index, workload.prompts[:num_prompts])
+    return {
+        "blocks_per_s": blocks_per_s,
+        "pairs": num_pairs,
+        "bytes_per_pair": bytes_per_pair,
+        "batches": len(workload.batches),
+        "reads": reads,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.index", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 pods x 1000 blocks, for a smoke test")
+    parser.add_argument("--worker", choices=INDEXES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     num_pods, blocks_per_pod, prefix_blocks = (10, 1000, 64) if args.quick else (100, 10_000, 256)
-    workload = build_workload(num_pods, blocks_per_pod, prefix_blocks)
-    prompts = workload.prompts[: 50 if args.quick else 1000]
-    print(
-        f"index: {num_pods} pods x {blocks_per_pod} blocks, {len(workload.batches)} batches of 16 blocks, "
-        f"10 shared {prefix_blocks}-block prefixes, {len(prompts)} prompts of {2 * prefix_blocks} blocks"
-    )
+    num_prompts = 50 if args.quick else 1000
+    if args.worker:
+        print(json.dumps(measure(args.worker, num_pods, blocks_per_pod, prefix_blocks, num_prompts)))
+        return 0
 
-    makers: dict[str, Callable[[], KVIndex | DictOfSetsIndex]] = {
-        "dict-of-sets (baseline)": DictOfSetsIndex,
-        "KVIndex 1 shard": lambda: KVIndex(num_shards=1),
-        "KVIndex 16 shards": lambda: KVIndex(num_shards=16),
-    }
-    rows: list[list[object]] = []
-    read_rows: list[list[object]] = []
-    for name, make in makers.items():
-        blocks_per_s, rss_growth, index = time_apply(make, workload)
-        num_entries = workload.num_blocks if isinstance(index, DictOfSetsIndex) else index.num_entries()
-        traced = traced_bytes(make, workload)
-        rows.append(
-            [
-                name,
-                f"{blocks_per_s:,.0f}",
-                num_entries,
-                f"{traced / num_entries:.0f}",
-                f"{rss_growth / num_entries:.0f}",
-            ]
+    results = {}
+    for name in INDEXES:
+        command = [sys.executable, "-m", "benchmarks.index", "--worker", name] + (
+            ["--quick"] if args.quick else []
         )
-        if isinstance(index, KVIndex):
-            for reader, (p50, p99) in time_reads(index, prompts).items():
-                read_rows.append([name, reader, f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}"])
-        del index
-    print(format_table(["index", "apply blocks/s", "entries", "traced B/entry", "RSS B/entry"], rows))
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            print(f"{name} failed:\n{done.stderr}", file=sys.stderr)
+            return 1
+        results[name] = json.loads(done.stdout)
+    first = results[INDEXES[0]]
     print(
-        "(RSS growth is only meaningful on the first row: later indexes reuse memory freed by earlier ones)"
+        f"index: {num_pods} pods x {blocks_per_pod} blocks, {first['batches']} batches of {BATCH_EVENTS} "
+        f"{EVENT_BLOCKS}-block events, 10 shared {prefix_blocks}-block prefixes, {num_prompts} prompts of "
+        f"{2 * prefix_blocks} blocks"
     )
+    rows = [
+        [name, f"{r['blocks_per_s']:,.0f}", r["pairs"], f"{r['bytes_per_pair']:.0f}"]
+        for name, r in results.items()
+    ]
+    print(format_table(["index", "apply blocks/s", "pairs", "RSS B/pair"], rows))
+    print("(RSS growth per (pod, block) pair, each index in a fresh process, block keys owned by the index)")
     print()
+    read_rows = [
+        [name, reader, f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}"]
+        for name, r in results.items()
+        for reader, (p50, p99) in r["reads"].items()
+    ]
     print(format_table(["index", "read", "p50 ms", "p99 ms"], read_rows))
     return 0
 

@@ -43,10 +43,11 @@ _OP_STORE = 0
 _OP_REMOVE = 1
 _OP_CLEAR = 2
 _OP_CHECK_PARENT = 3
-# One step of a batch, routed to one shard: (op, entry id, keys) or, for a parent check, (op, 0, key).
-_Run = tuple[int, int, "Sequence[int] | int"]
-
-_MAX_KEY = 2**64 - 1
+# A store's keys, and the same as an array (checked unsigned 64-bit, appended to the reverse-map log).
+_KeyGroup = tuple[Sequence[int], "array[int]"]
+# One step of a batch, routed to one shard: (op, entry id, arg) where arg is a list of key groups for a
+# store, the keys for a removal, the parent key for a parent check, 0 for a clear.
+_Run = tuple[int, int, "list[_KeyGroup] | Sequence[int] | int"]
 
 
 class ApplyStats(msgspec.Struct, frozen=True):
@@ -80,7 +81,17 @@ class ApplyStats(msgspec.Struct, frozen=True):
 class _Shard:
     """One lock's worth of the index: the key LRU and, per entry, a log of the keys it stored here."""
 
-    __slots__ = ("lock", "holders", "entry_keys", "entry_live", "capacity", "low_water", "max_pods_per_key")
+    __slots__ = (
+        "lock",
+        "holders",
+        "frozen",
+        "interned",
+        "entry_keys",
+        "entry_live",
+        "capacity",
+        "low_water",
+        "max_pods_per_key",
+    )
 
     def __init__(self, capacity: int, max_pods_per_key: int) -> None:
         self.lock = threading.Lock()
@@ -88,6 +99,11 @@ class _Shard:
         # *stored* first; a store re-inserts, reads never move anything). An OrderedDict would cost ~75 B
         # more per key.
         self.holders: dict[int, _Holders] = {}
+        # NOTE: lookups answer a dict holder with an immutable tuple of its ids, made on first read and
+        # dropped by any write to that key; tuples are interned, so the blocks of a shared prefix share one
+        # (no copy per read, and the scorer sees runs by identity). ~1 pointer per multi-holder pair.
+        self.frozen: dict[int, HolderIds] = {}
+        self.interned: dict[HolderIds, HolderIds] = {}
         # NOTE: the reverse map is a log, not a set (8 B per pair instead of ~60): every key an entry
         # stored here is appended; removals and evictions leave it stale (readers re-check `holders`), and
         # a store compacts it once it is twice the live count. A log whose entry holds nothing is dropped.
@@ -114,20 +130,45 @@ class _Shard:
             else:
                 counts[_CLEARED] += self.clear_entries(pod_entry_ids)
 
-    def store(self, entry_id: int, keys: Sequence[int], counts: list[int]) -> None:
+    def store(self, entry_id: int, key_groups: Sequence[_KeyGroup], counts: list[int]) -> None:
+        """Store each group's keys in order (consecutive events of one entry, merged by the caller)."""
         holders_map = self.holders
-        pop = holders_map.pop
         log = self.entry_keys.get(entry_id)
         if log is None:
             log = self.entry_keys[entry_id] = array("Q")
-        log_key = log.append
+        unheld = holders_map.keys().isdisjoint
+        stored = 0
+        for keys, key_array in key_groups:
+            # Logged whole: keys already held by this entry just leave a duplicate for compaction.
+            log.extend(key_array)
+            if unheld(keys):
+                # NOTE: the common case (fresh blocks) in C: dict.fromkeys keeps order, so the key LRU
+                # order is the same as storing one by one. A key repeated in the group is a second copy:
+                # the slow path counts it.
+                fresh = dict.fromkeys(keys, entry_id)
+                if len(fresh) == len(keys):
+                    holders_map.update(fresh)
+                    stored += len(keys)
+                    continue
+            stored += self._store_each(entry_id, keys, counts)
+        live = self.entry_live
+        live[entry_id] = live.get(entry_id, 0) + stored
+        counts[_STORED] += stored
+        if len(holders_map) > self.capacity:
+            self._evict_oldest_keys(counts)
+        if len(log) > 2 * live.get(entry_id, 0) + 64:
+            self._compact(entry_id)
+
+    def _store_each(self, entry_id: int, keys: Sequence[int], counts: list[int]) -> int:
+        """Store keys one at a time (some already held); returns the pairs newly added."""
+        holders_map = self.holders
+        pop = holders_map.pop
         live = self.entry_live
         stored = refreshed = evicted = 0
         for key in keys:
             held = pop(key, None)  # re-inserted below: newest in the key LRU
             if held is None:
                 holders_map[key] = entry_id
-                log_key(key)
                 stored += 1
             elif held.__class__ is int:
                 if held == entry_id:
@@ -136,22 +177,20 @@ class _Shard:
                 elif self.max_pods_per_key == 1:
                     live[held] -= 1
                     holders_map[key] = entry_id
-                    log_key(key)
                     stored += 1
                     evicted += 1
                 else:
                     holders_map[key] = {held: 1, entry_id: 1}
-                    log_key(key)
                     stored += 1
             else:
                 holder_lru: dict[int, int] = held  # type: ignore[assignment]
+                self.frozen.pop(key, None)
                 copies = holder_lru.pop(entry_id, 0)  # re-inserted: newest in this key's LRU
                 if copies:
                     holder_lru[entry_id] = copies + 1 if copies < MAX_COPIES else MAX_COPIES
                     refreshed += 1
                 else:
                     holder_lru[entry_id] = 1
-                    log_key(key)
                     stored += 1
                     if len(holder_lru) > self.max_pods_per_key:
                         oldest = next(iter(holder_lru))
@@ -162,14 +201,9 @@ class _Shard:
                             holders_map[key] = entry_id
                             continue
                 holders_map[key] = holder_lru
-        live[entry_id] = live.get(entry_id, 0) + stored
-        counts[_STORED] += stored
         counts[_REFRESHED] += refreshed
         counts[_EVICTED_ENTRIES] += evicted
-        if len(holders_map) > self.capacity:
-            self._evict_oldest_keys(counts)
-        if len(log) > 2 * live.get(entry_id, 0) + 64:
-            self._compact(entry_id)
+        return stored
 
     def _evict_oldest_keys(self, counts: list[int]) -> None:
         holders_map = self.holders
@@ -182,6 +216,7 @@ class _Shard:
                 live[held] -= 1
                 evicted_entries += 1
             else:
+                self.frozen.pop(key, None)
                 for entry_id in held:  # type: ignore[union-attr]
                     live[entry_id] -= 1
                 evicted_entries += len(held)  # type: ignore[arg-type]
@@ -193,6 +228,18 @@ class _Shard:
         holds = self.holds
         held_keys = [key for key in dict.fromkeys(self.entry_keys[entry_id]) if holds(key, entry_id)]
         self.entry_keys[entry_id] = array("Q", held_keys)
+
+    def freeze(self, key: int, holder_lru: dict[int, int]) -> HolderIds:
+        """The ids of a dict holder as a shared tuple (cached until the key is next written)."""
+        ids = tuple(holder_lru)
+        interned = self.interned
+        if len(interned) > 2 * len(self.frozen) + 1024:
+            # Drop tuples no key answers with any more.
+            interned.clear()
+            interned.update((frozen, frozen) for frozen in self.frozen.values())
+        ids = interned.setdefault(ids, ids)
+        self.frozen[key] = ids
+        return ids
 
     def holds(self, key: int, entry_id: int) -> bool:
         held = self.holders.get(key)
@@ -218,6 +265,7 @@ class _Shard:
             copies = holder_lru.get(entry_id)
             if copies is None:
                 continue
+            self.frozen.pop(key, None)
             # Removal is not a store: the key and the entry keep their places in both LRUs.
             if copies > 1:
                 holder_lru[entry_id] = copies - 1
@@ -262,6 +310,7 @@ class _Shard:
                         cleared += 1
                 elif entry_id in held:  # type: ignore[operator]
                     holder_lru: dict[int, int] = held  # type: ignore[assignment]
+                    self.frozen.pop(key, None)
                     del holder_lru[entry_id]
                     cleared += 1
                     _fold(holders_map, key, holder_lru)
@@ -280,10 +329,10 @@ def _fold(holders_map: dict[int, _Holders], key: int, holder_lru: dict[int, int]
         holders_map[key] = only
 
 
-def _check_keys(keys: Sequence[int]) -> None:
-    """Refuse anything but unsigned 64-bit int keys, before the batch changes anything."""
+def _checked_keys(keys: Sequence[int]) -> array[int]:
+    """The keys as an array; refuses anything but unsigned 64-bit ints, before a batch changes anything."""
     try:
-        array("Q", keys)
+        return array("Q", keys)
     except (TypeError, OverflowError) as exc:
         bad = next((key for key in keys if not isinstance(key, int)), None)
         if bad is not None:
@@ -380,23 +429,44 @@ class KVIndex:
         return self._apply_sharded(pod, events)
 
     def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[_Run]:
-        """The batch as one shard's steps, in event order; raises before anything changes."""
+        """The batch as one shard's steps, in event order; raises before anything changes.
+
+        Consecutive BlocksStored of one tier whose parent is the previous event's last block (a chain
+        continued, the usual shape) merge into one store step: that parent is held at that point.
+        """
         steps: list[_Run] = []
+        tier_entry_ids: dict[str, int] = {}
+        last_store: list[_KeyGroup] | None = None  # the previous step, if it is a store
+        last_entry_id = last_key = -1
         for event in events:
             if isinstance(event, BlocksStored):
-                entry_id = self._intern(pod, event.tier)
+                tier = event.tier
+                entry_id = tier_entry_ids.get(tier)
+                if entry_id is None:
+                    entry_id = tier_entry_ids[tier] = self._intern(pod, tier)
                 keys = event.block_keys
-                _check_keys(keys)
+                key_array = _checked_keys(keys)
                 parent_key = event.parent_key
                 if parent_key is not None:
-                    _check_keys((parent_key,))
+                    if last_store is not None and parent_key == last_key and entry_id == last_entry_id:
+                        if keys:
+                            last_store.append((keys, key_array))
+                            last_key = keys[-1]
+                        continue
+                    _checked_keys((parent_key,))
                     steps.append((_OP_CHECK_PARENT, 0, parent_key))
                 if keys:
-                    steps.append((_OP_STORE, entry_id, keys))
-            elif isinstance(event, BlocksRemoved):
+                    last_store = [(keys, key_array)]
+                    last_entry_id, last_key = entry_id, keys[-1]
+                    steps.append((_OP_STORE, entry_id, last_store))
+                else:
+                    last_store = None
+                continue
+            last_store = None
+            if isinstance(event, BlocksRemoved):
                 entry_id = self._intern(pod, event.tier)
                 keys = event.block_keys
-                _check_keys(keys)
+                _checked_keys(keys)
                 if keys:
                     steps.append((_OP_REMOVE, entry_id, keys))
             elif isinstance(event, AllBlocksCleared):
@@ -416,16 +486,24 @@ class KVIndex:
             elif op == _OP_CHECK_PARENT:
                 shard_runs.setdefault(arg % num_shards, []).append((op, entry_id, arg))  # type: ignore[operator]
             else:
-                # One key list per shard this event touches (no per-block tuples).
+                # One key list per shard this step touches (no per-block tuples).
+                all_keys: list[Sequence[int]]
+                if op == _OP_STORE:
+                    all_keys = [keys for keys, _ in arg]  # type: ignore[union-attr,misc]
+                else:
+                    all_keys = [arg]  # type: ignore[list-item]
                 buckets: dict[int, list[int]] = {}
-                for key in arg:  # type: ignore[union-attr]
-                    bucket = buckets.get(key % num_shards)
-                    if bucket is None:
-                        buckets[key % num_shards] = [key]
-                    else:
-                        bucket.append(key)
+                for keys in all_keys:
+                    for key in keys:
+                        bucket = buckets.get(key % num_shards)
+                        if bucket is None:
+                            buckets[key % num_shards] = [key]
+                        else:
+                            bucket.append(key)
                 for shard_no, bucket in buckets.items():
-                    shard_runs.setdefault(shard_no, []).append((op, entry_id, bucket))
+                    group: _KeyGroup = (bucket, array("Q", bucket))
+                    part = [group] if op == _OP_STORE else bucket
+                    shard_runs.setdefault(shard_no, []).append((op, entry_id, part))
         counts = [0] * 9
         pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
         shards = self._shards
@@ -470,21 +548,17 @@ class KVIndex:
         for lock in locks:
             lock.acquire()
         try:
-            if len(shards) == 1:
-                get = shards[0].holders.get
-                for key in block_keys:
-                    held = get(key)
-                    if held is None:
-                        break
-                    append(single_ids[held] if held.__class__ is int else tuple(held))  # type: ignore[arg-type]
-            else:
-                maps = [shard.holders for shard in shards]
-                num_shards = len(maps)
-                for key in block_keys:
-                    held = maps[key % num_shards].get(key)
-                    if held is None:
-                        break
-                    append(single_ids[held] if held.__class__ is int else tuple(held))  # type: ignore[arg-type]
+            num_shards = len(shards)
+            for key in block_keys:
+                shard = shards[key % num_shards] if num_shards > 1 else shards[0]
+                held = shard.holders.get(key)
+                if held is None:
+                    break
+                if held.__class__ is int:
+                    append(single_ids[held])
+                else:
+                    ids = shard.frozen.get(key)
+                    append(ids if ids is not None else shard.freeze(key, held))  # type: ignore[arg-type]
         finally:
             for lock in reversed(locks):
                 lock.release()
@@ -574,6 +648,10 @@ class KVIndex:
                             problems.append(
                                 f"shard {shard_no}: key {key} missing from entry {entry_id}'s log"
                             )
+                for key, ids in shard.frozen.items():
+                    frozen_of = shard.holders.get(key)
+                    if not isinstance(frozen_of, dict) or tuple(frozen_of) != ids:
+                        problems.append(f"shard {shard_no}: stale lookup tuple for key {key}")
                 counted = {entry_id: n for entry_id, n in shard.entry_live.items() if n}
                 if counted != live:
                     problems.append(f"shard {shard_no}: live counts {counted} != held pairs {live}")

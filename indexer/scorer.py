@@ -1,7 +1,8 @@
 """Stage 4 of the read path: turn an index lookup into per-pod longest-prefix scores.
 
 Pure policy over the index's mechanism: one `lookup_ids` call, then arithmetic over the runs of identical
-holder sets (a shared prefix is usually held by the same pods block after block, so this is cheap).
+holder sets (a shared prefix is usually held by the same pods block after block, so the cost is per run
+of the prompt, not per block).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from types import MappingProxyType
 
 import msgspec
 from kvindex.indexer.events import TIER_CPU, TIER_GPU, PodRef
-from kvindex.indexer.index import KVIndex
+from kvindex.indexer.index import HolderIds, KVIndex
 
 # A block on GPU is reusable at once; CPU needs a copy back first. Tiers not named here (STORAGE, custom
 # connector tiers) get `unknown_tier_weight`: explicitly low, still better than recomputing.
@@ -44,20 +45,31 @@ def score_prefix(
     Best first: score desc, then matched_blocks desc, then pod id and dp rank ascending. Pods matching
     no leading block are omitted.
     """
-    holder_runs = index.lookup_ids(block_keys, pods)
-    if not holder_runs:
+    holder_ids = index.lookup_ids(block_keys, pods)
+    if not holder_ids:
         return []
+    # Collapse the answer into runs of one holder set (a shared prefix is held by the same pods block
+    # after block; single holders are even the same tuple), so the work below is per run, not per block.
+    runs: list[tuple[HolderIds, int]] = []
+    run_holders = holder_ids[0]
+    run_start = 0
+    for position, holders in enumerate(holder_ids):
+        if holders is not run_holders and holders != run_holders:
+            runs.append((run_holders, position - run_start))
+            run_holders, run_start = holders, position
+    runs.append((run_holders, len(holder_ids) - run_start))
+
     entry_pod: dict[int, PodRef] = {}
     entry_tier: dict[int, str] = {}
     entry_weight: dict[int, float] = {}
-    for entry_id in set().union(*set(holder_runs)):
+    for entry_id in {entry_id for holders, _ in runs for entry_id in holders}:
         pod, tier = index.entry(entry_id)
         entry_pod[entry_id] = pod
         entry_tier[entry_id] = tier
         entry_weight[entry_id] = tier_weights.get(tier, unknown_tier_weight)
 
     # Only holders of block 0 can match anything; they drop out at their first missing block.
-    first = holder_runs[0]
+    first = holder_ids[0]
     live_entries = set(first)
     live_pods = {entry_pod[entry_id] for entry_id in first}
     entry_run: dict[int, int] = {}
@@ -65,12 +77,9 @@ def score_prefix(
     pod_score: dict[PodRef, float] = dict.fromkeys(live_pods, 0.0)
 
     position = 0
-    num_blocks = len(holder_runs)
-    while position < num_blocks and live_pods:
-        holders = holder_runs[position]
-        end = position + 1
-        while end < num_blocks and holder_runs[end] == holders:
-            end += 1
+    for holders, run_length in runs:
+        if not live_pods:
+            break
         gone = live_entries.difference(holders)
         for entry_id in gone:
             entry_run[entry_id] = position
@@ -85,10 +94,9 @@ def score_prefix(
         for pod in live_pods.difference(best_weight):
             pod_matched[pod] = position
         live_pods.intersection_update(best_weight)
-        run_length = end - position
         for pod, weight in best_weight.items():
             pod_score[pod] += weight * run_length
-        position = end
+        position += run_length
     for entry_id in live_entries:
         entry_run[entry_id] = position
     for pod in live_pods:
