@@ -12,6 +12,7 @@ RSS per (pod, block) entry. `python -m benchmarks.ingest [--quick]`.
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -157,6 +158,11 @@ def run(num_pods: int, blocks_per_pod: int, num_workers: int | None = None) -> l
 
     # Fork before this process opens any ZMQ context; the publishers' CPU is then not ours.
     payloads = [[encode_batch(batch) for batch in batches] for batches in all_batches]
+    last_seqs = {PodRef(f"pod-{i}"): len(b) - 1 for i, b in enumerate(all_batches)}
+    # The decoded workload is millions of GC-tracked objects an indexer would not hold: let it go, so
+    # the collector's full passes during ingest walk the indexer's own heap only.
+    del all_batches
+    gc.collect()
     mp = multiprocessing.get_context("fork")
     conn, child_conn = mp.Pipe()
     engines = mp.Process(target=_publisher_process, args=(payloads, child_conn), daemon=True)
@@ -180,7 +186,6 @@ def run(num_pods: int, blocks_per_pod: int, num_workers: int | None = None) -> l
                 raise SystemExit("indexer did not join every publisher within 60 s")
             time.sleep(0.05)
         index = service.model("m").index  # type: ignore[union-attr]
-        last_seqs = {PodRef(f"pod-{i}"): len(b) - 1 for i, b in enumerate(all_batches)}
         busy_samples: list[float] = []
         done = threading.Event()
 
