@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 FNV32_OFFSET_BASIS = 0x811C9DC5
 FNV32_PRIME = 0x01000193
 
+
 def fnv1a_32(data: bytes) -> int:
     """FNV-1a, 32-bit: stable across processes and runs (Python's hash() of str is not)."""
     value = FNV32_OFFSET_BASIS
