@@ -548,17 +548,31 @@ class KVIndex:
         for lock in locks:
             lock.acquire()
         try:
-            num_shards = len(shards)
-            for key in block_keys:
-                shard = shards[key % num_shards] if num_shards > 1 else shards[0]
-                held = shard.holders.get(key)
-                if held is None:
-                    break
-                if held.__class__ is int:
-                    append(single_ids[held])
-                else:
-                    ids = shard.frozen.get(key)
-                    append(ids if ids is not None else shard.freeze(key, held))  # type: ignore[arg-type]
+            if len(shards) == 1:
+                shard = shards[0]
+                get = shard.holders.get
+                frozen_get = shard.frozen.get
+                for key in block_keys:
+                    held = get(key)
+                    if held is None:
+                        break
+                    if held.__class__ is int:
+                        append(single_ids[held])
+                    else:
+                        ids = frozen_get(key)
+                        append(ids if ids is not None else shard.freeze(key, held))  # type: ignore[arg-type]
+            else:
+                num_shards = len(shards)
+                for key in block_keys:
+                    shard = shards[key % num_shards]
+                    held = shard.holders.get(key)
+                    if held is None:
+                        break
+                    if held.__class__ is int:
+                        append(single_ids[held])
+                    else:
+                        ids = shard.frozen.get(key)
+                        append(ids if ids is not None else shard.freeze(key, held))  # type: ignore[arg-type]
         finally:
             for lock in reversed(locks):
                 lock.release()
@@ -578,7 +592,15 @@ class KVIndex:
         Reads never reorder the LRU. Within one key, holders are listed least recently stored first.
         """
         entries = self._entries
-        return [tuple(entries[i] for i in ids) for ids in self.lookup_ids(block_keys, pods)]
+        result: list[Holders] = []
+        last_ids: HolderIds = ()
+        last_holders: Holders = ()
+        for ids in self.lookup_ids(block_keys, pods):
+            # Blocks of a shared prefix come back as one interned tuple: resolve it once per run.
+            if ids is not last_ids:
+                last_ids, last_holders = ids, tuple([entries[i] for i in ids])
+            result.append(last_holders)
+        return result
 
     # -- stats (O(entries of the index's pods x shards), not O(blocks)) ------------------------------
 

@@ -18,6 +18,7 @@ from kvindex.indexer.index import HolderIds, KVIndex
 # connector tiers) get `unknown_tier_weight`: explicitly low, still better than recomputing.
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({TIER_GPU: 1.0, TIER_CPU: 0.8})
 DEFAULT_UNKNOWN_TIER_WEIGHT = 0.1
+NO_WEIGHT = float("-inf")
 
 
 class PodScore(msgspec.Struct, frozen=True):
@@ -59,12 +60,19 @@ def score_prefix(
             run_holders, run_start = holders, position
     runs.append((run_holders, len(holder_ids) - run_start))
 
-    entry_pod: dict[int, PodRef] = {}
+    # Pods are numbered per call, so the loops below hash small ints, not PodRef structs.
+    pods_seen: list[PodRef] = []
+    pod_numbers: dict[PodRef, int] = {}
+    entry_pod: dict[int, int] = {}
     entry_tier: dict[int, str] = {}
     entry_weight: dict[int, float] = {}
     for entry_id in {entry_id for holders, _ in runs for entry_id in holders}:
         pod, tier = index.entry(entry_id)
-        entry_pod[entry_id] = pod
+        pod_no = pod_numbers.get(pod)
+        if pod_no is None:
+            pod_no = pod_numbers[pod] = len(pods_seen)
+            pods_seen.append(pod)
+        entry_pod[entry_id] = pod_no
         entry_tier[entry_id] = tier
         entry_weight[entry_id] = tier_weights.get(tier, unknown_tier_weight)
 
@@ -73,50 +81,54 @@ def score_prefix(
     live_entries = set(first)
     live_pods = {entry_pod[entry_id] for entry_id in first}
     entry_run: dict[int, int] = {}
-    pod_matched: dict[PodRef, int] = {}
-    pod_score: dict[PodRef, float] = dict.fromkeys(live_pods, 0.0)
+    pod_matched: dict[int, int] = {}
+    pod_score: dict[int, float] = dict.fromkeys(live_pods, 0.0)
 
     position = 0
     for holders, run_length in runs:
         if not live_pods:
             break
-        gone = live_entries.difference(holders)
-        for entry_id in gone:
-            entry_run[entry_id] = position
-        live_entries -= gone
-        best_weight: dict[PodRef, float] = {}
+        if position:
+            gone = live_entries.difference(holders)
+            for entry_id in gone:
+                entry_run[entry_id] = position
+            live_entries -= gone
+        best_weight: dict[int, float] = {}
         for entry_id in holders:
-            pod = entry_pod[entry_id]
-            if pod in live_pods:
+            pod_no = entry_pod[entry_id]
+            if pod_no in live_pods:
                 weight = entry_weight[entry_id]
-                if weight > best_weight.get(pod, float("-inf")):
-                    best_weight[pod] = weight
-        for pod in live_pods.difference(best_weight):
-            pod_matched[pod] = position
-        live_pods.intersection_update(best_weight)
-        for pod, weight in best_weight.items():
-            pod_score[pod] += weight * run_length
+                if weight > best_weight.get(pod_no, NO_WEIGHT):
+                    best_weight[pod_no] = weight
+        if len(best_weight) < len(live_pods):
+            for pod_no in live_pods.difference(best_weight):
+                pod_matched[pod_no] = position
+            live_pods.intersection_update(best_weight)
+        for pod_no, weight in best_weight.items():
+            pod_score[pod_no] += weight * run_length
         position += run_length
     for entry_id in live_entries:
         entry_run[entry_id] = position
-    for pod in live_pods:
-        pod_matched[pod] = position
+    for pod_no in live_pods:
+        pod_matched[pod_no] = position
 
-    pod_by_tier: dict[PodRef, dict[str, int]] = {pod: {} for pod in pod_matched}
+    pod_by_tier: dict[int, dict[str, int]] = {pod_no: {} for pod_no in pod_matched}
     for entry_id, run in entry_run.items():
         if run:
             pod_by_tier[entry_pod[entry_id]][entry_tier[entry_id]] = run
-    scores = [
-        PodScore(
-            pod_id=pod.pod_id,
-            dp_rank=pod.dp_rank,
-            matched_blocks=matched,
-            matched_tokens=matched * block_size,
-            score=pod_score[pod],
-            by_tier=pod_by_tier[pod],
-        )
-        for pod, matched in pod_matched.items()
+    ranked = sorted(
+        (-pod_score[pod_no], -matched, pods_seen[pod_no].pod_id, pods_seen[pod_no].dp_rank, pod_no)
+        for pod_no, matched in pod_matched.items()
         if matched
+    )
+    return [
+        PodScore(
+            pod_id=pod_id,
+            dp_rank=dp_rank,
+            matched_blocks=-neg_matched,
+            matched_tokens=-neg_matched * block_size,
+            score=-neg_score,
+            by_tier=pod_by_tier[pod_no],
+        )
+        for neg_score, neg_matched, pod_id, dp_rank, pod_no in ranked
     ]
-    scores.sort(key=lambda s: (-s.score, -s.matched_blocks, s.pod_id, s.dp_rank))
-    return scores

@@ -227,6 +227,27 @@ class TestKVIndexConformance:
         index.apply(POD_B, [removed(keys[1:])])
         assert index.num_keys() == 0 and index.check_consistency() == []
 
+    def test_lookup_answers_follow_every_write(self, index: KVIndex) -> None:
+        # Multi-holder answers may be cached between writes: each kind of write must show at once.
+        keys = spread_keys(index, 2)
+        index.apply(POD_A, [stored(keys)])
+        index.apply(POD_B, [stored(keys)])
+        assert [set(h) for h in index.lookup(keys)] == [{(POD_A, TIER_GPU), (POD_B, TIER_GPU)}] * 2
+        index.apply(POD_A1, [stored(keys[:1])])  # a third holder: the per-key cap (2) may drop one
+        expected = {(POD_A, TIER_GPU), (POD_B, TIER_GPU), (POD_A1, TIER_GPU)}
+        if index.max_pods_per_key == 2:
+            expected.discard((POD_A, TIER_GPU))
+        assert set(index.lookup(keys[:1])[0]) == expected
+        index.apply(POD_B, [removed(keys)])
+        assert set(index.lookup(keys)[0]) == expected - {(POD_B, TIER_GPU)}
+        assert index.lookup(keys[1:]) == [((POD_A, TIER_GPU),)]
+        index.clear_pod(POD_A1)
+        index.apply(POD_B, [stored(keys[:1], tier=TIER_CPU)])
+        assert set(index.lookup(keys[:1])[0]) == expected - {(POD_B, TIER_GPU), (POD_A1, TIER_GPU)} | {
+            (POD_B, TIER_CPU)
+        }
+        assert index.check_consistency() == []
+
     def test_reverse_map_stays_consistent_under_both_evictions(self, index: KVIndex) -> None:
         pods = [PodRef(f"p{i}", dp_rank=i % 2) for i in range(6)]
         for round_no in range(4):

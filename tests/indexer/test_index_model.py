@@ -108,6 +108,7 @@ class UnboundedIndexMatchesModel(RuleBasedStateMachine):
     @invariant()
     def same_content(self) -> None:
         assert self.index.snapshot_copies() == self.model
+        assert self.index.check_consistency() == []
         assert self.index.num_entries() == sum(len(v) for v in self.model.values())
         for pod in PODS:
             held = sum(1 for holders in self.model.values() for p, _ in holders if p == pod)
