@@ -501,8 +501,10 @@ class KVIndex:
                         else:
                             bucket.append(key)
                 for shard_no, bucket in buckets.items():
-                    group: _KeyGroup = (bucket, array("Q", bucket))
-                    part = [group] if op == _OP_STORE else bucket
+                    part: list[_KeyGroup] | list[int] = bucket
+                    if op == _OP_STORE:
+                        group: _KeyGroup = (bucket, array("Q", bucket))
+                        part = [group]
                     shard_runs.setdefault(shard_no, []).append((op, entry_id, part))
         counts = [0] * 9
         pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
