@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     # Before any ingest thread starts: the score path shares the GIL with them (see config.py).
     sys.setswitchinterval(config.switch_interval_ms / 1000)
+    _raise_open_files_limit()
     try:
         service = IngestService(config.models, config.pods, listen=config.listen, settings=config.ingest)
     except ValueError as exc:
@@ -170,3 +171,17 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
         await runner.cleanup()  # stops HTTP, then the ingest service
     logger.info("stopped")
     return 0
+
+
+def _raise_open_files_limit() -> None:
+    """Each pod costs a few descriptors (SUB, monitor, replay DEALER); containers often start with a soft
+    limit of 1,024, which a few hundred pods exhaust. Raise the soft limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit we have
+        pass

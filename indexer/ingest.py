@@ -227,6 +227,9 @@ class IngestService:
         # Bind-mode source id -> the resolved address engines dial (what their status shows).
         self._listen_sources: dict[str, str] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # libzmq allows 1,023 sockets per context by default; each connect-mode pod costs a SUB and a
+        # monitor pair, and replays open DEALERs, so a 1,000-pod fleet needs more (set before any socket).
+        self._ctx.set(zmq.MAX_SOCKETS, max(1024, 4 * len(pods) + 4 * len(self.listen) + 256))
         self._queues: PodQueues[_Live | _Control] = PodQueues(
             self._handle,
             num_workers=settings.num_workers,
