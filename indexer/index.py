@@ -352,9 +352,12 @@ class KVIndex:
 
     Copies: BlocksStored of a pair already held adds a copy (up to MAX_COPIES) and refreshes recency;
     BlocksRemoved drops one copy and the pair only with its last; AllBlocksCleared / clear_pod drop the
-    pod's pairs whatever their counts. A batch (`apply`) takes each shard's lock once and applies that
-    shard's part of the batch in event order, so a reader sees each key either before or after the whole
-    batch, never in between.
+    pod's pairs whatever their counts. Re-announcements of held blocks (vLLM's "full" kv_cache_report_mode)
+    inflate counts, so a later eviction can leave a stale pair until the key LRU or a clear drops it: see
+    MAX_COPIES. A batch (`apply`) takes each shard's lock once and applies that shard's part of the batch
+    in event order, so a reader sees each key either before or after the whole batch, never in between.
+
+    Memory: ~100 B per (pod, block) pair at 1M pairs, block keys included (benchmarks/index.py).
     """
 
     def __init__(
