@@ -101,6 +101,7 @@ class _LimitsSection(msgspec.Struct, forbid_unknown_fields=True):
 class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
     num_workers: int | None = None
     queue_size: int | None = None
+    queue_full_wait_s: float | None = None
     silent_after_s: float | None = None
     quiet_probe_after_s: float | None = None
     replay_timeout_s: float | None = None

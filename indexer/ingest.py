@@ -78,6 +78,9 @@ class IngestSettings(msgspec.Struct, frozen=True):
     # Raise it when replays can be slow: a replay (<= replay_timeout_s) delays every pod on its worker.
     num_workers: int = 1
     queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
+    # A full queue holds the poller up to this long (messages wait in ZMQ's buffers meanwhile) before a
+    # message is dropped: a burst then costs latency, not a gap (which a pod without replay can't repair).
+    queue_full_wait_s: float = 2.0
     max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
     quiet_probe_after_s: float = 5.0  # probe the replay socket when a pod went quiet after activity
@@ -370,7 +373,7 @@ class IngestService:
         if stream is not None and len(frames) == 3 and len(frames[1]) == 8:
             # Connect mode, well-formed (what parse_live would accept): no intermediate message object.
             seq = int.from_bytes(frames[1], "big")
-            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, seq, frames[2]))
+            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, seq, frames[2]), from_poller=True)
             return
         try:
             message = parse_live(frames)
@@ -378,7 +381,7 @@ class IngestService:
             self._drop(exc.reason, f"{source_id}: {exc.detail}")
             return
         if stream is not None:
-            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, message.seq, message.payload))
+            self._submit(stream.ref.pod_id, _Live(source_id, stream.model, message.seq, message.payload), from_poller=True)
             return
         parts = message.topic.decode("utf-8", "replace").split("@", 2)
         if len(parts) != 3 or parts[0] != TOPIC_PREFIX or not parts[1] or not parts[2]:
@@ -388,7 +391,7 @@ class IngestService:
         if model not in self._models:
             self._drop("unknown_model", f"pod {pod_id} publishes model {model!r}, which is not configured")
             return
-        self._submit(pod_id, _Live(source_id, model, message.seq, message.payload))
+        self._submit(pod_id, _Live(source_id, model, message.seq, message.payload), from_poller=True)
 
     def _on_link(self, source_id: str, event: LinkEvent) -> None:
         stream = self._source_streams.get(source_id)
@@ -396,7 +399,7 @@ class IngestService:
             stream.connected = event == "connected"
             if event == "connected":
                 if stream.ever_connected:
-                    self._submit(stream.ref.pod_id, _Control("reconnect", stream.ref))
+                    self._submit(stream.ref.pod_id, _Control("reconnect", stream.ref), from_poller=True)
                 stream.ever_connected = True
             return
         # Bind mode: ZMQ does not say which engine came or went.
@@ -405,12 +408,14 @@ class IngestService:
             with self._streams_lock:
                 bind_refs = [ref for ref in self._streams if ref not in self._connect_refs()]
             for ref in bind_refs:
-                self._submit(ref.pod_id, _Control("reconnect", ref))
+                self._submit(ref.pod_id, _Control("reconnect", ref), from_poller=True)
         else:
             self._listen_peers = max(0, self._listen_peers - 1)
 
-    def _submit(self, pod_id: str, item: _Live | _Control) -> None:
-        if not self._queues.submit(pod_id, item):
+    def _submit(self, pod_id: str, item: _Live | _Control, *, from_poller: bool = False) -> None:
+        # Only the poller thread may wait for room (PodQueues allows one waiting submitter).
+        wait_s = self.settings.queue_full_wait_s if from_poller else 0.0
+        if not self._queues.submit(pod_id, item, wait_s=wait_s):
             # The stream sees a gap at its next message (or the quiet probe) and replays it.
             seq = item.seq if isinstance(item, _Live) else None
             self._drop("queue_full", f"pod {pod_id}: worker queue full, message seq {seq} dropped")

@@ -2,7 +2,8 @@
 
 A pod always maps to the same worker thread (FNV-1a 32-bit of its id, modulo the worker count), so one
 pod's batches are handled strictly in arrival order while different pods proceed in parallel. Queues are
-bounded: `submit` never blocks the poller; a full queue drops the item and says so.
+bounded: a full queue makes `submit` wait a bounded time for room (back-pressure: meanwhile messages wait
+in ZMQ's own buffers instead of being dropped here), then drops the item and says so.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class PodQueues(Generic[T]):
         self._max_batch = max_batch
         self._queues: list[deque[tuple[str, T]]] = [deque() for _ in range(num_workers)]
         self._wakeups = [threading.Event() for _ in range(num_workers)]
+        # Set by a worker after it took items off a queue that a submitter found full.
+        self._room = [threading.Event() for _ in range(num_workers)]
+        self._waiting = [False] * num_workers
         # Pod id -> worker number: FNV-1a in Python costs ~1 µs per byte, the lookup ~50 ns.
         self._worker_of: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
@@ -86,19 +90,41 @@ class PodQueues(Generic[T]):
             thread.start()
             self._threads.append(thread)
 
-    def submit(self, pod_id: str, item: T) -> bool:
-        """Queue an item for the pod's worker; False (item dropped) when that worker's queue is full."""
+    def submit(self, pod_id: str, item: T, *, wait_s: float = 0.0) -> bool:
+        """Queue an item for the pod's worker.
+
+        When that worker's queue is full, wait up to `wait_s` for room; False (item dropped) if none came.
+        Only one thread (the poller) may submit with `wait_s > 0`.
+        """
         idx = self._worker_of.get(pod_id)
         if idx is None:
             idx = self._worker_of[pod_id] = worker_for(pod_id, len(self._queues))
         work = self._queues[idx]
-        if len(work) >= self._queue_size:
+        if len(work) >= self._queue_size and not self._wait_for_room(idx, wait_s):
             return False
         work.append((pod_id, item))
         wakeup = self._wakeups[idx]
         if not wakeup.is_set():
             wakeup.set()
         return True
+
+    def _wait_for_room(self, idx: int, wait_s: float) -> bool:
+        if wait_s <= 0 or self._stopping:
+            return False
+        work, room = self._queues[idx], self._room[idx]
+        deadline = time.monotonic() + wait_s
+        self._waiting[idx] = True
+        try:
+            while len(work) >= self._queue_size:
+                room.clear()
+                if len(work) < self._queue_size:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping or not room.wait(remaining):
+                    return False
+            return True
+        finally:
+            self._waiting[idx] = False
 
     def depth(self) -> int:
         return sum(len(work) for work in self._queues)
@@ -126,18 +152,24 @@ class PodQueues(Generic[T]):
         handle_many = self._handle_many
         max_batch = self._max_batch
         popleft = work.popleft
+        room = self._room[idx]
+        waiting = self._waiting
         while True:
             # Cleared before draining: an item appended after the drain sets it again (no lost wakeup).
             wakeup.clear()
             while work:
                 if handle_many is None:
                     pod_id, item = popleft()
+                    if waiting[idx]:
+                        room.set()
                     try:
                         self._handle(pod_id, item)
                     except Exception:
                         log.exception("ingest worker failed on an item of pod %s", pod_id)
                     continue
                 entries = [popleft() for _ in range(min(len(work), max_batch))]
+                if waiting[idx]:
+                    room.set()
                 try:
                     handle_many(entries)
                 except Exception:

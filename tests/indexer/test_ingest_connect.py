@@ -80,7 +80,9 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
     busy = Engine("pod-busy", replay_endpoint=None)
     engines += [engine, busy]
     pods = [pod_config(engine), PodConfig("pod-busy", busy.endpoint, "m", replay_endpoint=blocker.endpoint)]
-    settings = IngestSettings(num_workers=1, queue_size=4, quiet_probe_after_s=0.3, replay_timeout_s=30.0)
+    settings = IngestSettings(
+        num_workers=1, queue_size=4, queue_full_wait_s=0.0, quiet_probe_after_s=0.3, replay_timeout_s=30.0
+    )
     service = IngestService([MODEL], pods, settings=settings)
     service.start()
     try:

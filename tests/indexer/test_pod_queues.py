@@ -82,6 +82,34 @@ def test_full_queue_drops_and_reports_it_and_a_blocked_pod_does_not_stall_other_
     assert queues.stop()
 
 
+def test_a_full_queue_holds_a_waiting_submitter_until_the_worker_makes_room() -> None:
+    release = threading.Event()
+    handled: list[int] = []
+
+    def handle(pod_id: str, item: int) -> None:
+        assert release.wait(10)
+        handled.append(item)
+
+    queues: PodQueues[int] = PodQueues(handle, num_workers=1, queue_size=2)
+    queues.start()
+    assert queues.submit("a", 0)
+    wait_for(lambda: queues.depth() == 0)  # the worker holds item 0
+    assert queues.submit("a", 1) and queues.submit("a", 2)
+    assert not queues.submit("a", 3, wait_s=0.05)  # nobody makes room in time: dropped, and said so
+
+    def release_once_the_submitter_waits() -> None:
+        wait_for(lambda: queues._waiting[0])
+        release.set()
+
+    releaser = threading.Thread(target=release_once_the_submitter_waits)
+    releaser.start()
+    assert queues.submit("a", 4, wait_s=10)  # back-pressure: waits for room instead of dropping
+    releaser.join()
+    wait_for(lambda: len(handled) == 4)
+    assert handled == [0, 1, 2, 4]
+    assert queues.stop()
+
+
 def test_a_failing_handler_does_not_kill_the_worker() -> None:
     handled: list[int] = []
 
