@@ -21,10 +21,11 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import xxhash
+
+from benchmarks._process import ManagedProcess, await_condition
 
 DEFAULT_PYTHON = "/work/dynvenv/bin/python"
 PYTHON_ENV_VAR = "KVINDEX_DYNAMO_PYTHON"
@@ -80,15 +81,7 @@ def _free_port() -> int:
         return port
 
 
-def _await(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.02)  # ok: polling helper with a deadline
-
-
-class DynamoIndexer:
+class DynamoIndexer(ManagedProcess):
     """One `python -m dynamo.indexer` process; a context manager that starts it and always stops it.
 
     `workers` maps Dynamo worker ids to ZMQ endpoints. Dynamo *connects* a SUB (subscribed to every
@@ -144,7 +137,7 @@ class DynamoIndexer:
         env = dict(os.environ, RUST_LOG=os.environ.get("DYN_LOG", "warn"))
         self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
-            _await(self._listeners_active, self.startup_timeout_s, "Dynamo's HTTP server and listeners")
+            await_condition(self._listeners_active, self.startup_timeout_s, "Dynamo's HTTP server and listeners")
         except BaseException:
             self.stop()
             raise
@@ -171,36 +164,7 @@ class DynamoIndexer:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> DynamoIndexer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def log_tail(self, num_bytes: int = 2000) -> str:
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0, os.SEEK_END)
-        size = self._log.tell()
-        self._log.seek(max(0, size - num_bytes))
-        return self._log.read().decode(errors="replace")
-
-    # --- HTTP -----------------------------------------------------------------------------------
+        super().stop(timeout_s)
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         """One request on a persistent connection (reconnects once if the server closed it)."""
@@ -257,15 +221,7 @@ class DynamoIndexer:
 
     def wait_for_events(self, num_events: int, timeout_s: float = 120.0) -> None:
         """Block until `num_events` KV events (all types) have been applied."""
-        _await(lambda: sum(self.events_applied().values()) >= num_events, timeout_s, f"{num_events} events")
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the indexer process (the Rust index runs inside this Python process)."""
-        assert self._process is not None, "not started"
-        for line in Path(f"/proc/{self._process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS missing from /proc status")
+        await_condition(lambda: sum(self.events_applied().values()) >= num_events, timeout_s, f"{num_events} events")
 
 
 # --- standalone check and measurement ----------------------------------------------------------

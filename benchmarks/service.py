@@ -17,29 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
+from benchmarks._process import ManagedProcess, await_condition
+
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
-
-
-def await_condition(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    """Return once `condition()` is true; TimeoutError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)  # ok: polling helper with a deadline
-
-
-def process_rss_bytes(pid: int) -> int:
-    """VmRSS of a process, from /proc."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"VmRSS missing from /proc/{pid}/status")
 
 
 class JsonClient:
@@ -98,7 +82,7 @@ def config_toml(endpoints: Sequence[str], model: str, hash_seed: str, block_size
     return "\n".join(lines) + "\n"
 
 
-class KvindexService:
+class KvindexService(ManagedProcess):
     """One `kvindex serve` subprocess subscribed to `endpoints` (engine i is pod `engine-i`).
 
     A context manager: start() returns once HTTP answers and every pod is listed; stop() sends SIGTERM,
@@ -182,41 +166,10 @@ class KvindexService:
         if self.client is not None:
             self.client.close()
             self.client = None
-        if self._process is not None:
-            if self._process.poll() is None:
-                self._process.terminate()
-                try:
-                    self._process.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait(timeout_s)
-            if self._process.stdout is not None:
-                self._process.stdout.close()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        super().stop(timeout_s)
         if self._config_dir is not None:
             self._config_dir.cleanup()
             self._config_dir = None
-
-    def __enter__(self) -> KvindexService:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def log_tail(self, num_bytes: int = 2000) -> str:
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0, os.SEEK_END)
-        self._log.seek(max(0, self._log.tell() - num_bytes))
-        return self._log.read().decode(errors="replace")
-
-    # --- HTTP -----------------------------------------------------------------------------------
 
     def _client(self) -> JsonClient:
         assert self.client is not None, "not started"
@@ -251,9 +204,6 @@ class KvindexService:
     def score(self, body: bytes) -> dict[int, int]:
         """POST /v1/score with a pre-encoded body: engine index -> matched blocks (0s omitted)."""
         return blocks_per_engine_kvindex(self._client().request("POST", "/v1/score", body))
-
-    def rss_bytes(self) -> int:
-        return process_rss_bytes(self.pid)
 
 
 def blocks_per_engine_kvindex(response: Mapping[str, Any]) -> dict[int, int]:

@@ -1,0 +1,80 @@
+"""A benchmarked service running as its own process: started, awaited, measured (RSS) and always stopped.
+
+Shared by `kvindex serve` (benchmarks/service.py) and Dynamo's indexer (benchmarks/dynamo.py), so both
+subjects are handled — and their memory read — the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+
+def await_condition(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Return once `condition()` is true; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)  # ok: polling helper with a deadline
+
+
+def process_rss_bytes(pid: int) -> int:
+    """VmRSS of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"VmRSS missing from /proc/{pid}/status")
+
+
+class ManagedProcess:
+    """Owns one subprocess and its log file; subclasses implement `start` and may extend `stop`."""
+
+    _process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, wait, SIGKILL if it lingers; close the log. Idempotent."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.terminate()
+                try:
+                    self._process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait(timeout_s)
+            if self._process.stdout is not None:
+                self._process.stdout.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def log_tail(self, num_bytes: int = 2000) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - num_bytes))
+        return self._log.read().decode(errors="replace")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the service process."""
+        assert self._process is not None, "not started"
+        return process_rss_bytes(self._process.pid)
