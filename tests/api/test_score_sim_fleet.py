@@ -10,13 +10,12 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from api_harness import TEST_INGEST, ServerThread, wait_for
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.replay.sim_engine import SimEngine, SimEngineConfig
-
-from api_harness import TEST_INGEST, ServerThread, wait_for
 
 BLOCK_SIZE = 16
 MODEL = ModelConfig(name="sim-model", block_size=BLOCK_SIZE, hash_algo="sha256", hash_seed="0")
