@@ -87,33 +87,64 @@ def convert_extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | Non
     return tuple(_freeze(entry) if entry else None for entry in extra_keys)
 
 
+def stored_event(
+    keys: tuple[int, ...],
+    parent_key: int | None,
+    token_ids: tuple[int, ...],
+    block_size: int,
+    medium: str | None,
+    lora_name: str | None,
+    extra_keys: list[Any] | None,
+    group_idx: int | None,
+    spec_kind: str | None,
+    locality: str | None,
+    lookahead_token_ids: list[list[int]] | None,
+) -> BlocksStored:
+    """The one construction of a BlocksStored from wire fields, once hashes are keys: the medium becomes
+    the tier (GPU when unset), extra keys and lookahead tokens become hashable tuples. Shared by
+    `convert_stored` and decode's hot path (which checks keys in msgspec), so both build the same event."""
+    # Positional (faster than keywords on the hot path), in BlocksStored's field order.
+    return BlocksStored(
+        keys,
+        parent_key,
+        token_ids,
+        block_size,
+        medium or TIER_GPU,
+        lora_name,
+        convert_extra_keys(extra_keys),
+        group_idx,
+        spec_kind,
+        locality,
+        None if lookahead_token_ids is None else tuple(tuple(tokens) for tokens in lookahead_token_ids),
+    )
+
+
+def removed_event(keys: tuple[int, ...], medium: str | None, group_idx: int | None) -> BlocksRemoved:
+    """The one construction of a BlocksRemoved from wire fields, once hashes are keys."""
+    return BlocksRemoved(keys, medium or TIER_GPU, group_idx)
+
+
 def convert_stored(event: WireBlockStored) -> BlocksStored:
     """A stored event; when its token ids were skipped at decode time (`msgspec.Raw`) they become ()."""
     parent = event.parent_block_hash
-    lookahead = event.lookahead_token_ids
     token_ids = event.token_ids
-    # Positional (faster than keywords on the hot path), in BlocksStored's field order.
-    return BlocksStored(
+    return stored_event(
         block_keys(event.block_hashes),
         None if parent is None else block_key(parent),
         () if type(token_ids) is msgspec.Raw else tuple(token_ids),
         event.block_size,
-        event.medium or TIER_GPU,
+        event.medium,
         event.lora_name,
-        convert_extra_keys(event.extra_keys),
+        event.extra_keys,
         event.group_idx,
         event.kv_cache_spec_kind,
         event.locality,
-        None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
+        event.lookahead_token_ids,
     )
 
 
 def convert_removed(event: WireBlockRemoved) -> BlocksRemoved:
-    return BlocksRemoved(
-        block_keys=block_keys(event.block_hashes),
-        tier=event.medium or TIER_GPU,
-        group_idx=event.group_idx,
-    )
+    return removed_event(block_keys(event.block_hashes), event.medium, event.group_idx)
 
 
 def convert_event(event: wire.AnyWireEvent) -> KVEvent:

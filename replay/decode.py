@@ -10,16 +10,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
-from kvindex.indexer.events import (
-    TIER_GPU,
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    EventBatch,
-    KVEvent,
-)
+from kvindex.indexer.events import AllBlocksCleared, EventBatch, KVEvent
 from kvindex.replay import wire
-from kvindex.replay.convert import ConvertError, convert_event, convert_extra_keys
+from kvindex.replay.convert import ConvertError, convert_event, removed_event, stored_event
 
 # --- the ingest hot path: vLLM's default shape, decoded straight into what the index needs -----------
 # Same fields and required-ness as wire.BlockStored / BlockRemoved, but hashes must be unsigned 64-bit
@@ -140,25 +133,24 @@ def _decode_hot(hot: _HotBatch) -> DecodedBatch:
     append = events.append
     for event in hot.events:
         if type(event) is _HotStored:
-            lookahead = event.lookahead_token_ids
-            # Positional, in BlocksStored's field order (keywords cost more on this path).
+            # Keys were checked by msgspec; convert.py builds the event (one wire -> domain seam).
             append(
-                BlocksStored(
+                stored_event(
                     event.block_hashes,
                     event.parent_block_hash,
                     (),
                     event.block_size,
-                    event.medium or TIER_GPU,
+                    event.medium,
                     event.lora_name,
-                    convert_extra_keys(event.extra_keys),
+                    event.extra_keys,
                     event.group_idx,
                     event.kv_cache_spec_kind,
                     event.locality,
-                    None if lookahead is None else tuple(tuple(tokens) for tokens in lookahead),
+                    event.lookahead_token_ids,
                 )
             )
         elif type(event) is _HotRemoved:
-            append(BlocksRemoved(event.block_hashes, event.medium or TIER_GPU, event.group_idx))
+            append(removed_event(event.block_hashes, event.medium, event.group_idx))
         else:
             append(_ALL_BLOCKS_CLEARED)
     batch = EventBatch(ts=hot.ts, events=tuple(events), dp_rank=hot.data_parallel_rank)
