@@ -131,7 +131,7 @@ class ScoreHandler:
             model=config.name,
             block_size=config.block_size,
             num_blocks=len(block_keys),
-            scores=_best_first(pod_scores),
+            scores=_scores_out(pod_scores),
         )
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
@@ -150,27 +150,23 @@ class ScoreHandler:
         )
 
 
-def _best_first(pod_scores: Sequence[PodScore]) -> list[PodScoreOut]:
-    """Highest score first; ties by longer run, then pod id and rank so the order is stable."""
-    ranked = sorted(
-        (s for s in pod_scores if s.matched_blocks > 0),
-        key=lambda s: (-s.score, -s.matched_blocks, s.pod_id, s.dp_rank),
-    )
+def _scores_out(pod_scores: Sequence[PodScore]) -> list[PodScoreOut]:
+    """The scorer's answer (already best first, zeros omitted) in the response's shape."""
     return [
-        PodScoreOut(
-            pod=s.pod_id,
-            dp_rank=s.dp_rank,
-            matched_blocks=s.matched_blocks,
-            matched_tokens=s.matched_tokens,
-            score=s.score,
-            by_tier=_by_tier(s.by_tier),
-        )
-        for s in ranked
+        PodScoreOut(s.pod_id, s.dp_rank, s.matched_blocks, s.matched_tokens, s.score, _by_tier(s.by_tier))
+        for s in pod_scores
     ]
 
 
 def _by_tier(runs: dict[str, int]) -> dict[str, int]:
     """GPU and CPU first (0 when absent), then any other tier with a non-zero run, by name."""
+    if len(runs) == 1:  # the usual pod: its whole run on one tier
+        gpu = runs.get("GPU")
+        if gpu is not None:
+            return {"GPU": gpu, "CPU": 0}
+        cpu = runs.get("CPU")
+        if cpu is not None:
+            return {"GPU": 0, "CPU": cpu}
     by_tier = {tier: runs.get(tier, 0) for tier in ALWAYS_REPORTED_TIERS}
     for tier in sorted(runs):
         if tier not in by_tier and runs[tier] > 0:

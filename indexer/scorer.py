@@ -8,11 +8,12 @@ of the prompt, not per block).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from itertools import groupby
 from types import MappingProxyType
 
 import msgspec
 from kvindex.indexer.events import TIER_CPU, TIER_GPU, PodRef
-from kvindex.indexer.index import HolderIds, KVIndex
+from kvindex.indexer.index import Entry, HolderIds, KVIndex
 
 # A block on GPU is reusable at once; CPU needs a copy back first. Tiers not named here (STORAGE, custom
 # connector tiers) get `unknown_tier_weight`: explicitly low, still better than recomputing.
@@ -50,15 +51,14 @@ def score_prefix(
     if not holder_ids:
         return []
     # Collapse the answer into runs of one holder set (a shared prefix is held by the same pods block
-    # after block; single holders are even the same tuple), so the work below is per run, not per block.
-    runs: list[tuple[HolderIds, int]] = []
-    run_holders = holder_ids[0]
-    run_start = 0
-    for position, holders in enumerate(holder_ids):
-        if holders is not run_holders and holders != run_holders:
-            runs.append((run_holders, position - run_start))
-            run_holders, run_start = holders, position
-    runs.append((run_holders, len(holder_ids) - run_start))
+    # after block, as one interned tuple), so the work below is per run, not per block. groupby compares
+    # with an identity shortcut, so the scan over the prompt stays in C.
+    runs: list[tuple[HolderIds, int]] = [
+        (holders, len(list(group))) for holders, group in groupby(holder_ids)
+    ]
+    entries = {entry_id: index.entry(entry_id) for entry_id in set().union(*[holders for holders, _ in runs])}
+    if len({pod for pod, _ in entries.values()}) == len(entries):
+        return _score_single_entry_pods(runs, entries, block_size, tier_weights, unknown_tier_weight)
 
     # Pods are numbered per call, so the loops below hash small ints, not PodRef structs.
     pods_seen: list[PodRef] = []
@@ -66,8 +66,7 @@ def score_prefix(
     entry_pod: dict[int, int] = {}
     entry_tier: dict[int, str] = {}
     entry_weight: dict[int, float] = {}
-    for entry_id in {entry_id for holders, _ in runs for entry_id in holders}:
-        pod, tier = index.entry(entry_id)
+    for entry_id, (pod, tier) in entries.items():
         pod_no = pod_numbers.get(pod)
         if pod_no is None:
             pod_no = pod_numbers[pod] = len(pods_seen)
@@ -131,4 +130,49 @@ def score_prefix(
             by_tier=pod_by_tier[pod_no],
         )
         for neg_score, neg_matched, pod_id, dp_rank, pod_no in ranked
+    ]
+
+
+def _score_single_entry_pods(
+    runs: list[tuple[HolderIds, int]],
+    entries: Mapping[int, Entry],
+    block_size: int,
+    tier_weights: Mapping[str, float],
+    unknown_tier_weight: float,
+) -> list[PodScore]:
+    """The common shape, without per-pod bookkeeping: every entry in the answer is a different pod.
+
+    Then a pod's run is its one entry's run, its score weight x run and its by_tier that one tier.
+    """
+    entry_run: dict[int, int] = {}
+    live = set(runs[0][0])
+    position = 0
+    for holders, run_length in runs:
+        if position:
+            gone = live.difference(holders)
+            for entry_id in gone:
+                entry_run[entry_id] = position
+            live -= gone
+            if not live:
+                break
+        position += run_length
+    for entry_id in live:
+        entry_run[entry_id] = position
+    ranked = []
+    for entry_id, run in entry_run.items():
+        pod, tier = entries[entry_id]
+        ranked.append(
+            (-tier_weights.get(tier, unknown_tier_weight) * run, -run, pod.pod_id, pod.dp_rank, tier)
+        )
+    ranked.sort()
+    return [
+        PodScore(
+            pod_id=pod_id,
+            dp_rank=dp_rank,
+            matched_blocks=-neg_run,
+            matched_tokens=-neg_run * block_size,
+            score=-neg_score,
+            by_tier={tier: -neg_run},
+        )
+        for neg_score, neg_run, pod_id, dp_rank, tier in ranked
     ]
