@@ -164,6 +164,8 @@ class _Shard:
         holders_map = self.holders
         pop = holders_map.pop
         live = self.entry_live
+        frozen = self.frozen  # empty until a lookup reads a multi-holder key: then skip its pops
+        max_pods_per_key = self.max_pods_per_key
         stored = refreshed = evicted = 0
         for key in keys:
             held = pop(key, None)  # re-inserted below: newest in the key LRU
@@ -174,7 +176,7 @@ class _Shard:
                 if held == entry_id:
                     holders_map[key] = {entry_id: 2}
                     refreshed += 1
-                elif self.max_pods_per_key == 1:
+                elif max_pods_per_key == 1:
                     live[held] -= 1
                     holders_map[key] = entry_id
                     stored += 1
@@ -184,7 +186,8 @@ class _Shard:
                     stored += 1
             else:
                 holder_lru: dict[int, int] = held  # type: ignore[assignment]
-                self.frozen.pop(key, None)
+                if frozen:
+                    frozen.pop(key, None)
                 copies = holder_lru.pop(entry_id, 0)  # re-inserted: newest in this key's LRU
                 if copies:
                     holder_lru[entry_id] = copies + 1 if copies < MAX_COPIES else MAX_COPIES
@@ -192,7 +195,7 @@ class _Shard:
                 else:
                     holder_lru[entry_id] = 1
                     stored += 1
-                    if len(holder_lru) > self.max_pods_per_key:
+                    if len(holder_lru) > max_pods_per_key:
                         oldest = next(iter(holder_lru))
                         del holder_lru[oldest]
                         live[oldest] -= 1

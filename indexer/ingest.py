@@ -12,10 +12,10 @@ import ctypes.util
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 
 import msgspec
+import xxhash
 import zmq
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import (
@@ -76,6 +76,9 @@ def _find_malloc_trim() -> ctypes._CFuncPtr | None:
 
 
 _MALLOC_TRIM = _find_malloc_trim()
+# A payload's digest for the sequence tracker (a duplicate vs a restarted engine's new batch). xxh3 runs
+# at ~15 GB/s where zlib's crc32 ran at ~3 GB/s: 0.24 s of worker time per 1M blocks before.
+_digest = xxhash.xxh3_64_intdigest
 
 
 class IngestSettings(msgspec.Struct, frozen=True):
@@ -510,7 +513,7 @@ class IngestService:
             stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
         stream.last_live_at = time.monotonic()
         stream.active_since_probe = True
-        actions = stream.tracker.on_live(item.seq, decoded, zlib.crc32(item.payload))
+        actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload))
         if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
             self._apply(stream, actions[0].seq, actions[0].item, acc)
         elif actions:
@@ -629,7 +632,7 @@ class IngestService:
             outcome,
         )
         replayed = [
-            ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), zlib.crc32(m.payload))
+            ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), _digest(m.payload))
             for m in result.messages
         ]
         return stream.tracker.on_replay(replayed, result.complete)
