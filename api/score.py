@@ -24,7 +24,7 @@ from kvindex.api.schemas import (
     decode_score_request,
     validate_score_request,
 )
-from kvindex.hashing import BlockHasher, HashingError, MMItem
+from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
 from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.scorer import PodScore, score_prefix
@@ -32,6 +32,12 @@ from kvindex.indexer.scorer import PodScore, score_prefix
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
 ALWAYS_REPORTED_TIERS = ("GPU", "CPU")
+
+# Digests the event loop's per-model hasher memoises: 2M tokens (256 prompts of 8192), ~156 B a block,
+# so ~20 MB per model. Hashing is most of a token request's cost (sha256 over pickle: ~1.5 ms for 256
+# new blocks, ~0.3 ms for 512 known ones), and routers re-score the same conversations and system
+# prompts; the hasher's default (32768 blocks, 64 such prompts) thrashed under 200 rotating prompts.
+LOOP_MEMO_BLOCKS = 131_072
 
 
 class PromptHashers:
@@ -41,13 +47,19 @@ class PromptHashers:
     hashing worker thread another, and neither shares the ingest pipeline's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memo_size: int = DEFAULT_MEMO_SIZE) -> None:
         self._by_model: dict[str, BlockHasher] = {}
+        self._memo_size = memo_size
 
     def block_keys(self, config: ModelConfig, request: ScoreRequest, lora_path: str | None) -> list[int]:
         hasher = self._by_model.get(config.name)
         if hasher is None:
-            hasher = BlockHasher(algo=config.hash_algo, block_size=config.block_size, seed=config.hash_seed)
+            hasher = BlockHasher(
+                algo=config.hash_algo,
+                block_size=config.block_size,
+                seed=config.hash_seed,
+                memo_size=self._memo_size,
+            )
             self._by_model[config.name] = hasher
         assert request.token_ids is not None
         mm = None
@@ -108,7 +120,7 @@ class ScoreHandler:
         self._settings = settings
         self._metrics = metrics
         self._executor = executor
-        self._loop_hashers = PromptHashers()
+        self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS)
         self._worker_hashers = PromptHashers()  # used only on the executor's single thread
 
     async def handle(self, request: web.Request) -> web.Response:
