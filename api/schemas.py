@@ -11,6 +11,7 @@ import re
 from typing import Annotated
 
 import msgspec
+from kvindex.indexer.scorer import PodScore
 from kvindex.indexer.status import PodStatus
 from msgspec import Meta
 
@@ -53,20 +54,11 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     pods: list[str] | None = None
 
 
-class PodScoreOut(msgspec.Struct, frozen=True):
-    pod: str
-    dp_rank: int
-    matched_blocks: int
-    matched_tokens: int
-    score: float
-    by_tier: dict[str, int]
-
-
 class ScoreResponse(msgspec.Struct, frozen=True):
     model: str
     block_size: int
     num_blocks: int
-    scores: list[PodScoreOut]
+    scores: list[PodScore]  # best first; encoded as CONTRACT.md's entries
 
 
 class PodsResponse(msgspec.Struct, frozen=True):
@@ -126,9 +118,9 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
         _check_length("token_ids", len(request.token_ids), max_tokens)
     if request.block_hashes is not None:
         _check_length("block_hashes", len(request.block_hashes), max_tokens)
-        for i, block_hash in enumerate(request.block_hashes):
-            if block_hash > MAX_BLOCK_HASH:
-                raise RequestError(f"block_hashes[{i}]", "expected an unsigned 64-bit int (< 2**64)")
+        if max(request.block_hashes) > MAX_BLOCK_HASH:  # one C pass; the index only on failure
+            i = next(i for i, block_hash in enumerate(request.block_hashes) if block_hash > MAX_BLOCK_HASH)
+            raise RequestError(f"block_hashes[{i}]", "expected an unsigned 64-bit int (< 2**64)")
         for name in ("lora_name", "lora_path", "cache_salt", "mm"):
             if getattr(request, name) is not None:
                 raise RequestError(name, "only applies with token_ids (block_hashes are already hashed)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -17,7 +16,6 @@ from kvindex.api.config import ApiSettings
 from kvindex.api.metrics import RequestMetrics
 from kvindex.api.schemas import (
     JSON_ENCODER,
-    PodScoreOut,
     RequestError,
     ScoreRequest,
     ScoreResponse,
@@ -27,7 +25,7 @@ from kvindex.api.schemas import (
 from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
 from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig
-from kvindex.indexer.scorer import PodScore, score_prefix
+from kvindex.indexer.scorer import score_prefix
 
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
@@ -138,12 +136,13 @@ class ScoreHandler:
             tier_weights=self._settings.tier_weights,
             unknown_tier_weight=self._settings.unknown_tier_weight,
             pods=score_request.pods,
+            report_tiers=ALWAYS_REPORTED_TIERS,
         )
         response = ScoreResponse(
             model=config.name,
             block_size=config.block_size,
             num_blocks=len(block_keys),
-            scores=_scores_out(pod_scores),
+            scores=pod_scores,
         )
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
@@ -160,27 +159,3 @@ class ScoreHandler:
         return await loop.run_in_executor(
             self._executor, self._worker_hashers.block_keys, config, request, lora_path
         )
-
-
-def _scores_out(pod_scores: Sequence[PodScore]) -> list[PodScoreOut]:
-    """The scorer's answer (already best first, zeros omitted) in the response's shape."""
-    return [
-        PodScoreOut(s.pod_id, s.dp_rank, s.matched_blocks, s.matched_tokens, s.score, _by_tier(s.by_tier))
-        for s in pod_scores
-    ]
-
-
-def _by_tier(runs: dict[str, int]) -> dict[str, int]:
-    """GPU and CPU first (0 when absent), then any other tier with a non-zero run, by name."""
-    if len(runs) == 1:  # the usual pod: its whole run on one tier
-        gpu = runs.get("GPU")
-        if gpu is not None:
-            return {"GPU": gpu, "CPU": 0}
-        cpu = runs.get("CPU")
-        if cpu is not None:
-            return {"GPU": 0, "CPU": cpu}
-    by_tier = {tier: runs.get(tier, 0) for tier in ALWAYS_REPORTED_TIERS}
-    for tier in sorted(runs):
-        if tier not in by_tier and runs[tier] > 0:
-            by_tier[tier] = runs[tier]
-    return by_tier

@@ -23,14 +23,20 @@ NO_WEIGHT = float("-inf")
 
 
 class PodScore(msgspec.Struct, frozen=True):
-    """How much of a prompt's prefix one pod (dp rank) holds."""
+    """How much of a prompt's prefix one pod (dp rank) holds.
 
-    pod_id: str
+    Encodes (msgspec) as one entry of the score API's `scores` list, so the HTTP layer sends these
+    as they are: the pod id goes out under the key "pod".
+    """
+
+    pod_id: str = msgspec.field(name="pod")
     dp_rank: int
     matched_blocks: int  # longest run of leading blocks held on any tier
     matched_tokens: int  # matched_blocks * block_size
     score: float  # sum over that run of each block's best tier weight
-    by_tier: dict[str, int]  # per tier, the longest leading run held on that tier alone (tiers with > 0)
+    # Per tier, the longest leading run held on that tier alone: the report tiers (see score_prefix),
+    # then the other tiers with a non-zero run, by name.
+    by_tier: dict[str, int]
 
 
 def score_prefix(
@@ -41,11 +47,13 @@ def score_prefix(
     tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
     unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT,
     pods: Collection[str] | None = None,
+    report_tiers: Sequence[str] = (),
 ) -> list[PodScore]:
     """Score every pod (restricted to `pods` ids if given) on the leading blocks of `block_keys`.
 
     Best first: score desc, then matched_blocks desc, then pod id and dp rank ascending. Pods matching
-    no leading block are omitted.
+    no leading block are omitted. Every tier in `report_tiers` is in each `by_tier`, first and in that
+    order, with 0 when the pod's run there is empty (what a router indexing blindly needs).
     """
     holder_ids = index.lookup_ids(block_keys, pods)
     if not holder_ids:
@@ -58,7 +66,9 @@ def score_prefix(
     ]
     entries = {entry_id: index.entry(entry_id) for entry_id in set().union(*[holders for holders, _ in runs])}
     if len({pod for pod, _ in entries.values()}) == len(entries):
-        return _score_single_entry_pods(runs, entries, block_size, tier_weights, unknown_tier_weight)
+        return _score_single_entry_pods(
+            runs, entries, block_size, tier_weights, unknown_tier_weight, report_tiers
+        )
 
     # Pods are numbered per call, so the loops below hash small ints, not PodRef structs.
     pods_seen: list[PodRef] = []
@@ -111,10 +121,11 @@ def score_prefix(
     for pod_no in live_pods:
         pod_matched[pod_no] = position
 
-    pod_by_tier: dict[int, dict[str, int]] = {pod_no: {} for pod_no in pod_matched}
+    pod_runs: dict[int, dict[str, int]] = {pod_no: {} for pod_no in pod_matched}
     for entry_id, run in entry_run.items():
         if run:
-            pod_by_tier[entry_pod[entry_id]][entry_tier[entry_id]] = run
+            pod_runs[entry_pod[entry_id]][entry_tier[entry_id]] = run
+    pod_by_tier = {pod_no: _by_tier(runs_by_tier, report_tiers) for pod_no, runs_by_tier in pod_runs.items()}
     ranked = sorted(
         (-pod_score[pod_no], -matched, pods_seen[pod_no].pod_id, pods_seen[pod_no].dp_rank, pod_no)
         for pod_no, matched in pod_matched.items()
@@ -139,6 +150,7 @@ def _score_single_entry_pods(
     block_size: int,
     tier_weights: Mapping[str, float],
     unknown_tier_weight: float,
+    report_tiers: Sequence[str],
 ) -> list[PodScore]:
     """The common shape, without per-pod bookkeeping: every entry in the answer is a different pod.
 
@@ -165,14 +177,24 @@ def _score_single_entry_pods(
             (-tier_weights.get(tier, unknown_tier_weight) * run, -run, pod.pod_id, pod.dp_rank, tier)
         )
     ranked.sort()
-    return [
-        PodScore(
-            pod_id=pod_id,
-            dp_rank=dp_rank,
-            matched_blocks=-neg_run,
-            matched_tokens=-neg_run * block_size,
-            score=-neg_score,
-            by_tier={tier: -neg_run},
-        )
-        for neg_score, neg_run, pod_id, dp_rank, tier in ranked
-    ]
+    if not report_tiers:
+        return [
+            PodScore(pod_id, dp_rank, -neg_run, -neg_run * block_size, -neg_score, {tier: -neg_run})
+            for neg_score, neg_run, pod_id, dp_rank, tier in ranked
+        ]
+    zeros = dict.fromkeys(report_tiers, 0)
+    scores = []
+    for neg_score, neg_run, pod_id, dp_rank, tier in ranked:
+        by_tier = zeros.copy()
+        by_tier[tier] = -neg_run
+        scores.append(PodScore(pod_id, dp_rank, -neg_run, -neg_run * block_size, -neg_score, by_tier))
+    return scores
+
+
+def _by_tier(runs: Mapping[str, int], report_tiers: Sequence[str]) -> dict[str, int]:
+    """The report tiers in order (0 when absent), then the other tiers with a non-zero run, by name."""
+    by_tier = {tier: runs.get(tier, 0) for tier in report_tiers}
+    for tier in sorted(runs):
+        if tier not in by_tier and runs[tier] > 0:
+            by_tier[tier] = runs[tier]
+    return by_tier

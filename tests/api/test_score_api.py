@@ -23,10 +23,17 @@ from api_harness import (
     start_service,
     wait_until_ingested,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvindex.api.config import DEFAULT_TIER_WEIGHTS, ApiSettings
+from kvindex.api.schemas import JSON_ENCODER
+from kvindex.api.score import ALWAYS_REPORTED_TIERS
 from kvindex.hashing import BlockHasher
+from kvindex.indexer.events import BlocksStored, PodRef
+from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.scorer import score_prefix
 
 VECTORS = json.loads((Path(__file__).parent.parent / "vectors" / "hash-vectors.json").read_text())
 BLOCK_SIZE = 16
@@ -313,3 +320,67 @@ def test_lora_name_alone_uses_the_models_adapter_table(
     # The adapter's path is part of the hash: without LoRA the same tokens match nothing the pod holds.
     plain = score(server, {"model": model, "token_ids": tokens})
     assert plain["scores"] == []
+
+
+# --- the response rows without HTTP: every holder shape, against CONTRACT.md by brute force ----------
+# The scorer has a fast path (every holder a different pod, one tier each) and a general one (a pod on
+# several tiers or ranks); both must give the contract's rows, with GPU and CPU always in by_tier.
+
+EXACT_WEIGHTS = {"GPU": 1.0, "CPU": 0.5}  # powers of two: sums are exact, ties are real ties
+EXACT_UNKNOWN = 0.125
+HOLDINGS = st.dictionaries(
+    st.builds(PodRef, st.sampled_from("abcd"), st.integers(0, 1)),
+    st.dictionaries(
+        st.sampled_from(("GPU", "CPU", "STORAGE")), st.sets(st.integers(0, 9), max_size=10), max_size=3
+    ),
+    max_size=6,
+)
+
+
+def contract_rows(holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for pod, tiers in holdings.items():
+        run, weight_sum = 0, 0.0
+        while run < len(prompt) and any(prompt[run] in keys for keys in tiers.values()):
+            weight_sum += max(
+                EXACT_WEIGHTS.get(t, EXACT_UNKNOWN) for t, keys in tiers.items() if prompt[run] in keys
+            )
+            run += 1
+        tier_runs = {}
+        for tier, keys in tiers.items():
+            tier_run = 0
+            while tier_run < len(prompt) and prompt[tier_run] in keys:
+                tier_run += 1
+            tier_runs[tier] = tier_run
+        by_tier = {"GPU": tier_runs.get("GPU", 0), "CPU": tier_runs.get("CPU", 0)}
+        by_tier |= {t: r for t, r in sorted(tier_runs.items()) if r and t not in by_tier}
+        if run:
+            row = {"pod": pod.pod_id, "dp_rank": pod.dp_rank, "matched_blocks": run}
+            rows.append(row | {"matched_tokens": run * 4, "score": weight_sum, "by_tier": by_tier})
+    rows.sort(key=lambda r: (-r["score"], -r["matched_blocks"], r["pod"], r["dp_rank"]))
+    return rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(holdings=HOLDINGS, prompt=st.lists(st.integers(0, 9), max_size=10, unique=True))
+def test_response_rows_match_the_contract(
+    holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int]
+) -> None:
+    index = KVIndex(num_shards=2)
+    for pod, tiers in holdings.items():
+        for tier, keys in tiers.items():
+            stored = BlocksStored(
+                block_keys=tuple(sorted(keys)), parent_key=None, token_ids=(), block_size=4, tier=tier
+            )
+            index.apply(pod, [stored])
+    scores = score_prefix(
+        index,
+        prompt,
+        block_size=4,
+        tier_weights=EXACT_WEIGHTS,
+        unknown_tier_weight=EXACT_UNKNOWN,
+        report_tiers=ALWAYS_REPORTED_TIERS,
+    )
+    encoded = json.loads(JSON_ENCODER.encode(scores))
+    assert encoded == contract_rows(holdings, prompt)
+    assert all(list(row["by_tier"])[:2] == ["GPU", "CPU"] for row in encoded)
