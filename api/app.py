@@ -18,15 +18,32 @@ from kvindex.api.metrics import RequestMetrics, build_registry
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
 from kvindex.indexer.ingest import IngestService
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 logger = logging.getLogger(__name__)
+
+
+class RequestCounts:
+    """`kvindex_http_requests` by (route, status), with each labelled child looked up once (labels()
+    builds and locks per call, and every request passes here)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._children: dict[tuple[str, int], Counter] = {}
+
+    def count(self, route: str, status: int) -> None:
+        child = self._children.get((route, status))
+        if child is None:
+            child = self._children[(route, status)] = self._counter.labels(route, str(status))
+        child.inc()
+
 
 SERVICE = web.AppKey("service", IngestService)
 SETTINGS = web.AppKey("settings", ApiSettings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
 HASH_EXECUTOR = web.AppKey("hash_executor", ThreadPoolExecutor)
+REQUEST_COUNTS = web.AppKey("request_counts", RequestCounts)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -55,7 +72,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logger.exception("unhandled error answering %s %s", request.method, request.path)
         response = error_response(500, "server: internal error (logged on the server)")
-    request.app[REQUEST_METRICS].requests.labels(route, str(response.status)).inc()
+    request.app[REQUEST_COUNTS].count(route, response.status)
     return response
 
 
@@ -99,7 +116,7 @@ async def expect_body_within_limit(request: web.Request) -> web.Response | None:
         return None
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    request.app[REQUEST_METRICS].requests.labels(route, str(response.status)).inc()
+    request.app[REQUEST_COUNTS].count(route, response.status)
     return response
 
 
@@ -141,6 +158,7 @@ def create_app(
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[REQUEST_METRICS] = request_metrics
+    app[REQUEST_COUNTS] = RequestCounts(request_metrics.requests)
     app[HASH_EXECUTOR] = executor
 
     async def own_executor(app: web.Application) -> AsyncIterator[None]:
