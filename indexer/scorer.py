@@ -170,25 +170,47 @@ def _score_single_entry_pods(
         position += run_length
     for entry_id in live:
         entry_run[entry_id] = position
-    ranked = []
+    # Most holders share a run (the whole shared prefix) and a tier, so rank per (run, tier) group and sort only within a group, by pod (PodRef orders by pod id, then dp rank).
+    groups: dict[tuple[int, str], list[PodRef]] = {}
     for entry_id, run in entry_run.items():
         pod, tier = entries[entry_id]
-        ranked.append(
-            (-tier_weights.get(tier, unknown_tier_weight) * run, -run, pod.pod_id, pod.dp_rank, tier)
-        )
-    ranked.sort()
-    if not report_tiers:
-        return [
-            PodScore(pod_id, dp_rank, -neg_run, -neg_run * block_size, -neg_score, {tier: -neg_run})
-            for neg_score, neg_run, pod_id, dp_rank, tier in ranked
-        ]
+        group = groups.get((run, tier))
+        if group is None:
+            groups[(run, tier)] = [pod]
+        else:
+            group.append(pod)
+    ranked = sorted(
+        (-tier_weights.get(tier, unknown_tier_weight) * run, -run, tier, pods)
+        for (run, tier), pods in groups.items()
+    )
     zeros = dict.fromkeys(report_tiers, 0)
-    scores = []
-    for neg_score, neg_run, pod_id, dp_rank, tier in ranked:
-        by_tier = zeros.copy()
-        by_tier[tier] = -neg_run
-        scores.append(PodScore(pod_id, dp_rank, -neg_run, -neg_run * block_size, -neg_score, by_tier))
+    scores: list[PodScore] = []
+    for (neg_score, neg_run), tied in groupby(ranked, key=_rank):
+        run, score, matched_tokens = -neg_run, -neg_score, -neg_run * block_size
+        tied_groups = list(tied)
+        if len(tied_groups) == 1:
+            _, _, tier, pods = tied_groups[0]
+            pods.sort()
+            by_tier = zeros | {tier: run}
+            scores.extend(
+                [
+                    PodScore(pod.pod_id, pod.dp_rank, run, matched_tokens, score, by_tier.copy())
+                    for pod in pods
+                ]
+            )
+        else:  # tiers of equal weight tie: one pod order across them
+            members = sorted((pod, tier) for _, _, tier, pods in tied_groups for pod in pods)
+            scores.extend(
+                [
+                    PodScore(pod.pod_id, pod.dp_rank, run, matched_tokens, score, zeros | {tier: run})
+                    for pod, tier in members
+                ]
+            )
     return scores
+
+
+def _rank(group: tuple[float, int, str, list[PodRef]]) -> tuple[float, int]:
+    return group[0], group[1]
 
 
 def _by_tier(runs: Mapping[str, int], report_tiers: Sequence[str]) -> dict[str, int]:

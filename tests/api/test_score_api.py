@@ -326,8 +326,8 @@ def test_lora_name_alone_uses_the_models_adapter_table(
 # The scorer has a fast path (every holder a different pod, one tier each) and a general one (a pod on
 # several tiers or ranks); both must give the contract's rows, with GPU and CPU always in by_tier.
 
-EXACT_WEIGHTS = {"GPU": 1.0, "CPU": 0.5}  # powers of two: sums are exact, ties are real ties
-EXACT_UNKNOWN = 0.125
+# Powers of two, so sums are exact and ties are real ties; the second set ties every tier.
+EXACT_WEIGHT_SETS = [({"GPU": 1.0, "CPU": 0.5}, 0.125), ({"GPU": 0.5, "CPU": 0.5}, 0.5)]
 HOLDINGS = st.dictionaries(
     st.builds(PodRef, st.sampled_from("abcd"), st.integers(0, 1)),
     st.dictionaries(
@@ -337,14 +337,14 @@ HOLDINGS = st.dictionaries(
 )
 
 
-def contract_rows(holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int]) -> list[dict[str, Any]]:
+def contract_rows(
+    holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int], weights: dict[str, float], unknown: float
+) -> list[dict[str, Any]]:
     rows = []
     for pod, tiers in holdings.items():
         run, weight_sum = 0, 0.0
         while run < len(prompt) and any(prompt[run] in keys for keys in tiers.values()):
-            weight_sum += max(
-                EXACT_WEIGHTS.get(t, EXACT_UNKNOWN) for t, keys in tiers.items() if prompt[run] in keys
-            )
+            weight_sum += max(weights.get(t, unknown) for t, keys in tiers.items() if prompt[run] in keys)
             run += 1
         tier_runs = {}
         for tier, keys in tiers.items():
@@ -362,10 +362,15 @@ def contract_rows(holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int]
 
 
 @settings(max_examples=300, deadline=None)
-@given(holdings=HOLDINGS, prompt=st.lists(st.integers(0, 9), max_size=10, unique=True))
+@given(
+    holdings=HOLDINGS,
+    prompt=st.lists(st.integers(0, 9), max_size=10, unique=True),
+    weight_set=st.sampled_from(EXACT_WEIGHT_SETS),
+)
 def test_response_rows_match_the_contract(
-    holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int]
+    holdings: dict[PodRef, dict[str, set[int]]], prompt: list[int], weight_set: tuple[dict[str, float], float]
 ) -> None:
+    weights, unknown = weight_set
     index = KVIndex(num_shards=2)
     for pod, tiers in holdings.items():
         for tier, keys in tiers.items():
@@ -377,10 +382,10 @@ def test_response_rows_match_the_contract(
         index,
         prompt,
         block_size=4,
-        tier_weights=EXACT_WEIGHTS,
-        unknown_tier_weight=EXACT_UNKNOWN,
+        tier_weights=weights,
+        unknown_tier_weight=unknown,
         report_tiers=ALWAYS_REPORTED_TIERS,
     )
     encoded = json.loads(JSON_ENCODER.encode(scores))
-    assert encoded == contract_rows(holdings, prompt)
+    assert encoded == contract_rows(holdings, prompt, weights, unknown)
     assert all(list(row["by_tier"])[:2] == ["GPU", "CPU"] for row in encoded)
