@@ -407,6 +407,9 @@ def run_subject(
         done = time.monotonic()
         first, last = publishers.finish_round()
         result.ingest_s, result.publish_s = done - first, last - first
+        # Steady state, for both subjects alike: give each a moment to settle after the burst (kvindex
+        # hands freed payload pages back to the OS once ingest is idle).
+        time.sleep(0.5)  # ok: a fixed settling time, not a wait for a condition
         result.rss_after = subject.rss_bytes()
         requests = _requests(subject, feed, query_kinds)
         result.idle = time_queries(subject, feed, requests)

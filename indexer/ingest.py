@@ -459,7 +459,15 @@ class IngestService:
 
     def _watch(self) -> None:
         quiet_s = self.settings.quiet_probe_after_s
+        bytes_at_last_tick = 0
         while not self._stop_event.wait(min(_WATCH_INTERVAL_S, quiet_s / 4)):
+            # Ingest went idle after a burst smaller than the worker's own release threshold: hand the
+            # freed payload pages back now rather than keeping them resident until the next burst.
+            pending = self._bytes_since_release
+            if pending and pending == bytes_at_last_tick and not self._queues.depth():
+                self._release_free_heap()
+                pending = 0
+            bytes_at_last_tick = pending
             now = time.monotonic()
             with self._streams_lock:
                 streams = list(self._streams.values())
