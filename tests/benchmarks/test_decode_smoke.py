@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench_support import run_quick
 
 
 def test_decode_benchmark_quick() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.decode", "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
+    stdout = "\n".join(run_quick("benchmarks.decode", timeout_s=120))
     for row in ("msgpack.decode (baseline)", "decode_batch", "token ids skipped", "per-event", "publisher"):
-        assert row in completed.stdout
+        assert row in stdout

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench_support import run_quick
 
 
 def test_score_benchmark_quick() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.score", "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    lines = run_quick("benchmarks.score", timeout_s=240)
     assert lines[0].startswith("index: 10 pods x 1000 blocks")
     rows = [line.split() for line in lines if line.startswith(("tokens/", "hashes"))]
     assert [(row[0], row[1]) for row in rows] == [

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench_support import run_quick
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_index_benchmark_quick() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.index", "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    lines = run_quick("benchmarks.index", timeout_s=100)
     assert lines[0].startswith("index: 10 pods x 1000 blocks")
     apply_rows = [line for line in lines if line.startswith(("dict-of-sets", "KVIndex")) and "," in line]
     assert len(apply_rows) == 3
