@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import HttpVersion11, hdrs, web
-from kvindex.api.config import ApiSettings
 from kvindex.api.metrics import RequestMetrics, build_registry
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
+from kvindex.api.settings import ApiSettings
 from kvindex.indexer.ingest import IngestService
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 

@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
-from kvindex.api.config import ApiSettings
 from kvindex.api.metrics import RequestMetrics
 from kvindex.api.schemas import (
     JSON_ENCODER,
@@ -22,6 +21,7 @@ from kvindex.api.schemas import (
     decode_score_request,
     validate_score_request,
 )
+from kvindex.api.settings import ApiSettings
 from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
 from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig

@@ -22,8 +22,8 @@ from functools import partial
 
 import msgspec
 import zmq
+from kvindex.indexer.decode import decode_batch
 from kvindex.replay import wire
-from kvindex.replay.decode import decode_batch
 from kvindex.replay.publisher import EventPublisher, encode_batch
 
 BLOCKS_PER_EVENT = 16

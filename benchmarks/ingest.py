@@ -22,11 +22,11 @@ import time
 
 import zmq
 from kvindex.hashing import BlockHasher
+from kvindex.indexer.decode import decode_batch
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.replay.decode import decode_batch
 from kvindex.replay.publisher import encode_batch
 from kvindex.replay.wire import BlockStored, KVEventBatch
 

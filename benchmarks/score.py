@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from kvindex.api.config import ApiSettings
+from kvindex.cli.config import ApiSettings
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import BlocksRemoved, BlocksStored, PodRef
 from kvindex.indexer.index import KVIndex

@@ -1,6 +1,6 @@
 """kvindex's own KV-cache events: what the index applies.
 
-Wire objects (replay/wire.py) are converted into these once, in replay/convert.py; the index never sees a
+Wire objects (replay/wire.py) are converted into these once, in indexer/convert.py; the index never sees a
 wire object. Block hashes are always the 64-bit event form (`BlockKey`): raw-bytes hashes on the wire are
 folded to the same form (last 8 bytes, big-endian), exactly as vLLM does for its int hashes.
 """

@@ -1,5 +1,5 @@
 """`python -m kvindex` is the `kvindex` command."""
 
-from kvindex.api.cli import main
+from kvindex.cli.main import main
 
 raise SystemExit(main())

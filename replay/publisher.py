@@ -19,6 +19,7 @@ from types import TracebackType
 
 import msgspec
 import zmq
+from kvindex.replay.endpoints import has_ephemeral_port, offset_endpoint_port, should_bind
 from kvindex.replay.frames import (
     FrameError,
     live_frames,
@@ -34,38 +35,6 @@ logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def should_bind(endpoint: str) -> bool:
-    """vLLM's rule: bind when the endpoint has `*` or `::`, or is ipc:// / inproc://; else connect."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def _has_ephemeral_port(endpoint: str) -> bool:
-    return endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] in ("0", "*")
-
-
-def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
-    """vLLM's data-parallel offset, applied to both the PUB and the replay endpoint.
-
-    rank 0 or no endpoint: unchanged; `inproc://X` -> `inproc://X_dp{rank}`; `tcp://host:P` ->
-    `tcp://host:{P+rank}` (port 0 stays 0); anything else at rank > 0 (ipc://) raises ValueError.
-    """
-    if not endpoint or dp_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{dp_rank}"
-    if "tcp" in endpoint:
-        if ":" not in endpoint:
-            return endpoint
-        base_addr, _, port_text = endpoint.rpartition(":")
-        if port_text == "*":
-            return endpoint  # NOTE: vLLM would fail on int("*"); an ephemeral port needs no offset.
-        base_port = int(port_text)
-        if base_port == 0:
-            return endpoint
-        return f"{base_addr}:{base_port + dp_rank}"
-    raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
-
-
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload vLLM sends for `batch` (byte for byte)."""
     return _ENCODER.encode(batch)
@@ -74,7 +43,7 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     """Bind and return the endpoint a peer can dial (ephemeral tcp ports resolved)."""
     sock.bind(endpoint)
-    if not _has_ephemeral_port(endpoint):
+    if not has_ephemeral_port(endpoint):
         return endpoint
     last_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(last_endpoint, bytes)
@@ -127,7 +96,7 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.set_hwm(hwm)
-            if should_bind(effective_endpoint) or _has_ephemeral_port(effective_endpoint):
+            if should_bind(effective_endpoint) or has_ephemeral_port(effective_endpoint):
                 self.endpoint = _bind(self._pub, effective_endpoint)
             else:
                 self._pub.connect(effective_endpoint)

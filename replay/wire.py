@@ -2,7 +2,7 @@
 
 These are what travels in the msgpack payload of a live or replayed message. They are used to *encode*
 (our publisher must be byte-identical to vLLM's) and as the fast path to decode. The `Loose*` and
-`Array*` variants at the end mirror older and partial shapes for replay/decode.py's per-event fallback.
+`Array*` variants at the end mirror older and partial shapes for indexer/decode.py's per-event fallback.
 Field order and defaults are part of the wire format: evolve only by appending fields with defaults, as
 vLLM does.
 """

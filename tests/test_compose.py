@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvindex.api.cli import build_parser
+from kvindex.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_every_kvindex_command_parses() -> None:
         except SystemExit as exc:  # argparse's way of refusing
             raise AssertionError(f"service {name}: `kvindex {' '.join(argv)}` does not parse") from exc
         if argv[0] == "serve":
-            from kvindex.api.config import build_serve_config
+            from kvindex.cli.config import build_serve_config
 
             environment = compose["services"][name].get("environment") or {}
             config = build_serve_config(args, {k: str(v) for k, v in environment.items()})

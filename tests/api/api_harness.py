@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from kvindex.api.app import create_app
-from kvindex.api.config import ApiSettings
+from kvindex.api.settings import ApiSettings
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.replay.publisher import EventPublisher

@@ -12,7 +12,7 @@ import aiohttp
 import msgspec
 import pytest
 from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
-from kvindex.api.config import ApiSettings
+from kvindex.api.settings import ApiSettings
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig

@@ -25,15 +25,15 @@ from api_harness import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvindex.api.config import DEFAULT_TIER_WEIGHTS, ApiSettings
 from kvindex.api.schemas import JSON_ENCODER
 from kvindex.api.score import ALWAYS_REPORTED_TIERS
+from kvindex.api.settings import ApiSettings
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import BlocksStored, PodRef
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig
-from kvindex.indexer.scorer import score_prefix
+from kvindex.indexer.scorer import DEFAULT_TIER_WEIGHTS, score_prefix
 
 VECTORS = json.loads((Path(__file__).parent.parent / "vectors" / "hash-vectors.json").read_text())
 BLOCK_SIZE = 16

@@ -15,7 +15,7 @@ from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.replay.sim_engine import SimEngine, SimEngineConfig
+from kvindex.sim.engine import SimEngine, SimEngineConfig
 
 BLOCK_SIZE = 16
 MODEL = ModelConfig(name="sim-model", block_size=BLOCK_SIZE, hash_algo="sha256", hash_seed="0")

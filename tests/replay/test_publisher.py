@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from kvindex.replay.publisher import EventPublisher, encode_batch, offset_endpoint_port, should_bind
+from kvindex.replay.endpoints import offset_endpoint_port, should_bind
+from kvindex.replay.publisher import EventPublisher, encode_batch
 from kvindex.replay.wire import KVEventBatch
 from replay_support import hexes, nothing_arrives, recv_frames, wire_event_from_record
 

@@ -14,13 +14,13 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvindex.api.cli import CliError
-from kvindex.api.demo_policies import POLICY_NAMES
-from kvindex.api.demo_report import PolicyResult, format_table
-from kvindex.api.demo_workload import WorkloadSpec, generate_trace, shareable_token_fraction
+from kvindex.cli.main import CliError
+from kvindex.demo.policies import POLICY_NAMES
+from kvindex.demo.report import PolicyResult, format_table
+from kvindex.demo.workload import WorkloadSpec, generate_trace, shareable_token_fraction
 
 if TYPE_CHECKING:
-    from kvindex.api.demo_fleet import DemoOptions
+    from kvindex.demo.fleet import DemoOptions
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     # The fleet (aiohttp, ZMQ, the ingest service) is imported when the demo runs, not when the CLI parses.
-    from kvindex.api import demo_fleet
+    from kvindex.demo import fleet as demo_fleet
 
     options = demo_fleet.DemoOptions(
         num_pods=args.pods,

@@ -1,4 +1,7 @@
-"""Fixtures for the replay tests: vLLM's recorded vectors and a private ZMQ context per test."""
+"""Shared fixtures for every test: vLLM's recorded vectors and a private ZMQ context per test.
+
+This folder is on sys.path (pytest's rootdir conftest), so helper modules here import by name.
+"""
 
 from __future__ import annotations
 

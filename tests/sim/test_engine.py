@@ -21,11 +21,11 @@ import aiohttp
 import msgspec
 import pytest
 import zmq
-from kvindex.api.cli import build_parser
-from kvindex.api.cmd_sim import engine_configs
+from kvindex.cli.cmd_sim import engine_configs
+from kvindex.cli.main import build_parser
 from kvindex.hashing import BlockHasher
-from kvindex.replay.sim_engine import SimEngine, SimEngineConfig
 from kvindex.replay.wire import AllBlocksCleared, BlockStored, KVEventBatch
+from kvindex.sim.engine import SimEngine, SimEngineConfig
 
 TIMEOUT_S = 10.0
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)

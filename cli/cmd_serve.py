@@ -1,6 +1,6 @@
 """`kvindex serve`: the indexer service process.
 
-Flags + TOML (api/config.py) -> IngestService (the write path) + the aiohttp app (the read path).
+Flags + TOML (cli/config.py) -> IngestService (the write path) + the aiohttp app (the read path).
 Prints `kvindex serve: listening on http://HOST:PORT` once the HTTP socket is bound (port 0 resolved),
 and stops cleanly on SIGTERM or SIGINT: HTTP first, then ingest, exit 0.
 """
@@ -15,10 +15,10 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvindex.api.cli import HASH_ALGOS, CliError
+from kvindex.cli.main import HASH_ALGOS, CliError
 
 if TYPE_CHECKING:
-    from kvindex.api.config import ServeConfig
+    from kvindex.cli.config import ServeConfig
     from kvindex.indexer.ingest import IngestService
 
 logger = logging.getLogger("kvindex.serve")
@@ -75,7 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: aiohttp, ZMQ and the index are only paid for by `kvindex serve` itself.
-    from kvindex.api.config import ConfigError, build_serve_config
+    from kvindex.cli.config import ConfigError, build_serve_config
     from kvindex.indexer.ingest import IngestService
 
     try:

@@ -15,13 +15,13 @@ from pathlib import Path
 import msgspec
 import pytest
 from kvindex.replay.publisher import encode_batch
-from kvindex.replay.sim_cache import (
+from kvindex.replay.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireEvent
+from kvindex.sim.cache import (
     CapacityError,
     SimPrefixCache,
     event_hash,
     synthetic_output_tokens,
 )
-from kvindex.replay.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireEvent
 
 VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 

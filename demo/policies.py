@@ -1,7 +1,7 @@
 """Routing policies the demo compares: where does a router send the next request?
 
 Pure decisions from values the caller measured (kvindex scores, in-flight requests per pod); the demo's
-shell (api/cmd_demo.py) fetches the scores over HTTP and sends the request. Each policy object keeps its
+shell (cli/cmd_demo.py) fetches the scores over HTTP and sends the request. Each policy object keeps its
 own small state (cursor, seeded RNG, assignment counts), so a fresh object replays identically.
 """
 

@@ -1,6 +1,6 @@
 """Engine simulator, pure core: a vLLM-style prefix cache that emits the KV events vLLM would.
 
-Source of the write path in demos and tests: sim_engine.py feeds it block hashes from a BlockHasher and
+Source of the write path in demos and tests: sim/engine.py feeds it block hashes from a BlockHasher and
 publishes the events it queues. Mirrors one full-attention KV-cache group of vLLM 0.33's
 `BlockPool` + `KVCacheManager` (vllm/v1/core/block_pool.py, kv_cache_manager.py): same hit rule, same
 free-queue LRU order, same event shapes and order. No clocks, sockets or threads.

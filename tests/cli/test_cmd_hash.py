@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvindex.api.cli import main
+from kvindex.cli.main import main
 
 VECTORS_FILE = Path(__file__).resolve().parent.parent / "vectors" / "hash-vectors.json"
 

@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 from kvindex.replay import wire
 
-VECTORS_DIR = Path(__file__).resolve().parent.parent / "vectors"
+VECTORS_DIR = Path(__file__).resolve().parent / "vectors"
 RECV_TIMEOUT_MS = 5000
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvindex.api.cli import HASH_ALGOS, CliError
+from kvindex.cli.main import HASH_ALGOS, CliError
 
 if TYPE_CHECKING:  # imported in the functions: parsing arguments must not build the hashing tables
     from kvindex.hashing import MMItem

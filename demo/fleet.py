@@ -16,13 +16,13 @@ from typing import TextIO
 import aiohttp
 from aiohttp import web
 from kvindex.api.app import create_app
-from kvindex.api.config import ApiSettings
-from kvindex.api.demo_policies import POLICY_NAMES, RoutingPolicy, make_policy
-from kvindex.api.demo_report import PolicyResult, ProgressLine
-from kvindex.api.demo_workload import DemoRequest
+from kvindex.api.settings import ApiSettings
+from kvindex.demo.policies import POLICY_NAMES, RoutingPolicy, make_policy
+from kvindex.demo.report import PolicyResult, ProgressLine
+from kvindex.demo.workload import DemoRequest
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.replay.sim_engine import SimEngine, SimEngineConfig
+from kvindex.sim.engine import SimEngine, SimEngineConfig
 
 MODEL = "demo-model"
 BLOCK_SIZE = 16

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvindex.api import cmd_serve
-from kvindex.api.cli import main
-from kvindex.api.config import ConfigError, ServeConfig, build_serve_config, parse_pod_flag
+from kvindex.cli import cmd_serve
+from kvindex.cli.config import ConfigError, ServeConfig, build_serve_config, parse_pod_flag
+from kvindex.cli.main import main
 
 TWO_MODELS_TOML = """
 http = "127.0.0.1:9090"

@@ -18,6 +18,7 @@ import msgspec
 import xxhash
 import zmq
 from kvindex.hashing import BlockHasher
+from kvindex.indexer.decode import DecodedBatch, DecodeError, decode_batch
 from kvindex.indexer.events import (
     PREFIX_SPEC_KINDS,
     AllBlocksCleared,
@@ -34,8 +35,8 @@ from kvindex.indexer.hash_check import (
     is_checkable,
 )
 from kvindex.indexer.index import KVIndex
+from kvindex.indexer.ingest.pod_queues import PodQueues
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.pod_queues import PodQueues
 from kvindex.indexer.status import (
     STATE_DISCONNECTED,
     STATE_HASH_MISMATCH,
@@ -46,9 +47,8 @@ from kvindex.indexer.status import (
     IngestCounters,
     PodStatus,
 )
-from kvindex.replay.decode import DecodedBatch, DecodeError, decode_batch
+from kvindex.replay.endpoints import offset_endpoint_port
 from kvindex.replay.frames import FrameError, parse_live
-from kvindex.replay.publisher import offset_endpoint_port
 from kvindex.replay.replay_client import replay_from
 from kvindex.replay.sequence import Action, Apply, ClearPod, FetchReplay, ReplayedItem, SequenceTracker
 from kvindex.replay.subscriber import LinkEvent, Subscriber

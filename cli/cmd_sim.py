@@ -1,6 +1,6 @@
 """`kvindex sim`: a fleet of simulated vLLM engines publishing real KV-event streams.
 
-Each engine (replay/sim_engine.py) serves a minimal OpenAI-style HTTP API on its own port and publishes
+Each engine (sim/engine.py) serves a minimal OpenAI-style HTTP API on its own port and publishes
 vLLM-compatible KV events (PUB + replay ROUTER), so `kvindex serve` can index it like a real vLLM pod.
 """
 
@@ -15,10 +15,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from kvindex.api.cli import CliError
+from kvindex.cli.main import CliError
 
 if TYPE_CHECKING:  # the CLI imports every subcommand module: keep ZMQ and aiohttp out of start-up
-    from kvindex.replay.sim_engine import SimEngine, SimEngineConfig
+    from kvindex.sim.engine import SimEngine, SimEngineConfig
 
 EPILOG = """\
 how to start a fleet
@@ -109,7 +109,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvindex.replay.sim_engine import SimEngine
+    from kvindex.sim.engine import SimEngine
 
     try:
         engines = [SimEngine(config) for config in engine_configs(args)]
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
 def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
     """One config per engine from the command line; raises CliError for unusable values."""
-    from kvindex.replay.publisher import offset_endpoint_port
-    from kvindex.replay.sim_engine import SimEngineConfig
+    from kvindex.replay.endpoints import offset_endpoint_port
+    from kvindex.sim.engine import SimEngineConfig
 
     for name in ("engines", "capacity_blocks", "block_size", "buffer_steps"):
         if getattr(args, name) < 1:
@@ -178,7 +178,7 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
 
 def publisher_binds(endpoint: str) -> bool:
     """vLLM's rule (`*`, `::`, ipc, inproc bind), plus: an ephemeral tcp port is always bound."""
-    from kvindex.replay.publisher import should_bind
+    from kvindex.replay.endpoints import should_bind
 
     return should_bind(endpoint) or (endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] == "0")
 

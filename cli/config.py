@@ -13,16 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from kvindex.api.settings import (
+    DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS,
+    ApiSettings,
+    default_tier_weights,
+)
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
+from kvindex.indexer.scorer import DEFAULT_UNKNOWN_TIER_WEIGHT
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_HTTP = "0.0.0.0:8080"
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8}
-DEFAULT_UNKNOWN_TIER_WEIGHT = 0.1
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 1_000_000
-DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS = 16_384
 # The GIL switch interval of `kvindex serve` (Python's default is 5 ms). Ingest threads share the GIL with
 # the event loop answering scores; a shorter slice hands it back sooner. benchmarks/score.py --quick,
 # HTTP p99 during ingest (median of 6 cells, 2 runs x 3 request kinds, shared 2-core box): 5 ms 69 ms,
@@ -30,27 +33,8 @@ DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS = 16_384
 DEFAULT_SWITCH_INTERVAL_MS = 1.0
 
 
-def _default_tier_weights() -> dict[str, float]:
-    return dict(DEFAULT_TIER_WEIGHTS)
-
-
 class ConfigError(ValueError):
     """A configuration problem, stated as one sentence saying what to fix."""
-
-
-class ApiSettings(msgspec.Struct, frozen=True):
-    """The HTTP side: limits on what a client may send and how scores weigh tiers."""
-
-    host: str = "0.0.0.0"
-    port: int = 8080
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    # A block of the matched run counts with the weight of its best tier; tiers not listed count
-    # `unknown_tier_weight` (explicitly low: we do not know how fast such a tier is).
-    tier_weights: dict[str, float] = msgspec.field(default_factory=_default_tier_weights)
-    unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
-    # Prompts longer than this are hashed on a worker thread so the event loop keeps serving.
-    hash_in_executor_min_tokens: int = DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS
 
 
 class ServeConfig(msgspec.Struct, frozen=True):
@@ -88,7 +72,7 @@ class _PodSection(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _TierSection(msgspec.Struct, forbid_unknown_fields=True):
-    weights: dict[str, float] = msgspec.field(default_factory=_default_tier_weights)
+    weights: dict[str, float] = msgspec.field(default_factory=default_tier_weights)
     unknown_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
 
 

@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from kvindex.api.demo_policies import KvAwarePolicy, RandomPolicy, RoundRobinPolicy, make_policy
-from kvindex.api.demo_report import PolicyResult, format_table, percentile
-from kvindex.api.demo_workload import WorkloadSpec, generate_trace, shareable_token_fraction
+from kvindex.demo.policies import KvAwarePolicy, RandomPolicy, RoundRobinPolicy, make_policy
+from kvindex.demo.report import PolicyResult, format_table, percentile
+from kvindex.demo.workload import WorkloadSpec, generate_trace, shareable_token_fraction
 
 DEMO_TIMEOUT_S = 120
 
@@ -105,7 +105,7 @@ def test_trace_is_deterministic_and_conversations_grow() -> None:
 
 
 def test_shareable_fraction_counts_repeated_prefix_blocks_only() -> None:
-    from kvindex.api.demo_workload import DemoRequest
+    from kvindex.demo.workload import DemoRequest
 
     def request(index: int, tokens: list[int]) -> DemoRequest:
         return DemoRequest(index, tuple(tokens), 1, "unique", None, 0, None)

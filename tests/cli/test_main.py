@@ -1,4 +1,4 @@
-"""The `kvindex` dispatcher (api/cli.py): start-up stays light, no subcommand prints help and exits 2,
+"""The `kvindex` dispatcher (cli/main.py): start-up stays light, no subcommand prints help and exits 2,
 every subcommand answers --help.
 
 (Named test_kvindex_cli.py: tests/hashing/test_cli.py already owns the basename test_cli.py, and
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from kvindex.api import cli
+from kvindex.cli import main as cli
 from kvindex.hashing import HASH_ALGOS
 
 # Paid only by the subcommand that needs them, never by building the parser.
@@ -19,7 +19,7 @@ HEAVY_ROOTS = ("aiohttp", "zmq", "prometheus_client")
 HEAVY_PACKAGES = ("kvindex.hashing", "kvindex.indexer", "kvindex.replay")
 
 PROBE = (
-    "import kvindex.api.cli as c; c.build_parser(); import sys; "
+    "import kvindex.cli.main as c; c.build_parser(); import sys; "
     "print(sorted(m for m in sys.modules if m.split('.')[0] in {roots!r} "
     "or any(m == p or m.startswith(p + '.') for p in {packages!r})))"
 )

@@ -1,6 +1,6 @@
 """The `kvindex` command line: one dispatcher, one module per subcommand.
 
-Each subcommand module (api/cmd_<name>.py) exposes `configure(parser)` and `run(args) -> int`.
+Each subcommand module (cli/cmd_<name>.py) exposes `configure(parser)` and `run(args) -> int`.
 Building the parser imports every cmd module, so a cmd module imports only argparse-level things at
 module level and its heavy dependencies (aiohttp, ZMQ, prometheus_client, kvindex.hashing's tables)
 inside `run()`: `kvindex hash` and `kvindex --help` never pay for the service stack (tests check this).
@@ -19,11 +19,11 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvindex.api.cmd_serve", "the indexer service"),
-    "sim": ("kvindex.api.cmd_sim", "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)"),
-    "demo": ("kvindex.api.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
-    "hash": ("kvindex.api.cmd_hash", "vLLM block hashes for a token sequence"),
-    "compat": ("kvindex.api.cmd_compat", "hash-compatibility harness"),
+    "serve": ("kvindex.cli.cmd_serve", "the indexer service"),
+    "sim": ("kvindex.cli.cmd_sim", "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)"),
+    "demo": ("kvindex.cli.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
+    "hash": ("kvindex.cli.cmd_hash", "vLLM block hashes for a token sequence"),
+    "compat": ("kvindex.cli.cmd_compat", "hash-compatibility harness"),
 }
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvindex.api.cli import CliError
+from kvindex.cli.main import CliError
 
 if TYPE_CHECKING:  # imported in run(): parsing arguments must not build the hashing tables
     from kvindex.hashing.compat import CompatReport

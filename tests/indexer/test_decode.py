@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvindex.indexer.decode import DecodeError, decode_batch
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch, KVEvent
-from kvindex.replay.decode import DecodeError, decode_batch
 from replay_support import load_vectors
 
 U64 = 2**64 - 1

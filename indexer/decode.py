@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+from kvindex.indexer.convert import ConvertError, convert_event, removed_event, stored_event
 from kvindex.indexer.events import AllBlocksCleared, EventBatch, KVEvent
 from kvindex.replay import wire
-from kvindex.replay.convert import ConvertError, convert_event, removed_event, stored_event
 
 # --- the ingest hot path: vLLM's default shape, decoded straight into what the index needs -----------
 # Same fields and required-ness as wire.BlockStored / BlockRemoved, but hashes must be unsigned 64-bit

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from ingest_support import Engine, SilentReplay, index_matches, indexed_keys, wait_for
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.status import PodStatus
-from test_ingest_support import Engine, SilentReplay, index_matches, indexed_keys, wait_for
 
 MODEL = ModelConfig(name="m")
 FAST = IngestSettings(num_workers=2, quiet_probe_after_s=0.3, replay_timeout_s=5.0, hash_check_every=1)

@@ -18,7 +18,7 @@ import zmq
 from aiohttp import web
 from kvindex.hashing import BlockHasher
 from kvindex.replay.publisher import EventPublisher
-from kvindex.replay.sim_cache import CapacityError, SimPrefixCache, synthetic_output_tokens
+from kvindex.sim.cache import CapacityError, SimPrefixCache, synthetic_output_tokens
 
 # vLLM rejects token ids outside the vocabulary; the simulator only asks for ints that fit in int32.
 MAX_TOKEN_ID = 2**31 - 1

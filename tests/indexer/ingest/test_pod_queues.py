@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from kvindex.indexer.pod_queues import PodQueues, fnv1a_32, worker_for
+from kvindex.indexer.ingest.pod_queues import PodQueues, fnv1a_32, worker_for
 
 
 @pytest.mark.parametrize(

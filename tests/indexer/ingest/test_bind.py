@@ -7,10 +7,10 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from ingest_support import Engine, index_matches, wait_for
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.status import PodStatus
-from test_ingest_support import Engine, index_matches, wait_for
 
 MODELS = [ModelConfig(name="m"), ModelConfig(name="org/model@v2")]
 
