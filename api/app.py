@@ -1,4 +1,4 @@
-"""The HTTP shell around the IngestService: application factory, route table, error middleware.
+"""The HTTP shell around the ingest pipeline (read through `IngestView`): app factory, routes, error middleware.
 
 Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz. Every error a client
 can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything unexpected is a logged 500, never
@@ -17,7 +17,7 @@ from kvindex.api.metrics import RequestMetrics, build_registry
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
-from kvindex.indexer.ingest import IngestService
+from kvindex.indexer.status import IngestView
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class RequestCounts:
         child.inc()
 
 
-SERVICE = web.AppKey("service", IngestService)
+SERVICE = web.AppKey("service", IngestView)
 SETTINGS = web.AppKey("settings", ApiSettings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
@@ -143,7 +143,7 @@ async def handle_readyz(request: web.Request) -> web.Response:
 
 
 def create_app(
-    service: IngestService, settings: ApiSettings | None = None, *, manage_service: bool = False
+    service: IngestView, settings: ApiSettings | None = None, *, manage_service: bool = False
 ) -> web.Application:
     """The aiohttp application serving `service`.
 

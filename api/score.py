@@ -23,9 +23,10 @@ from kvindex.api.schemas import (
 )
 from kvindex.api.settings import ApiSettings
 from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
-from kvindex.indexer.ingest import IngestService, ModelRuntime
 from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.registry import ModelRuntime
 from kvindex.indexer.scorer import score_prefix
+from kvindex.indexer.status import IngestView
 
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
@@ -76,7 +77,7 @@ class PromptHashers:
             raise RequestError("body", f"cannot hash this prompt: {exc}") from None
 
 
-def resolve_model(service: IngestService, model_name: str | None) -> ModelRuntime:
+def resolve_model(service: IngestView, model_name: str | None) -> ModelRuntime:
     """The runtime of the named model; with no name, the only configured model."""
     names = service.model_names()
     if model_name is None:
@@ -109,7 +110,7 @@ class ScoreHandler:
 
     def __init__(
         self,
-        service: IngestService,
+        service: IngestView,
         settings: ApiSettings,
         metrics: RequestMetrics,
         executor: ThreadPoolExecutor,

@@ -21,6 +21,7 @@ import threading
 import time
 
 import zmq
+from kvindex.cli.process import heap_releaser
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.decode import decode_batch
 from kvindex.indexer.events import PodRef
@@ -174,7 +175,8 @@ def run(num_pods: int, blocks_per_pod: int, num_workers: int | None = None) -> l
         PodConfig(f"pod-{i}", endpoint, "m", replay_endpoint=None) for i, endpoint in enumerate(endpoints)
     ]
     settings = IngestSettings() if num_workers is None else IngestSettings(num_workers=num_workers)
-    service = IngestService([ModelConfig(name="m")], pods, settings=settings)
+    # As `kvindex serve` runs it: freed payload pages are handed back after bursts.
+    service = IngestService([ModelConfig(name="m")], pods, settings=settings, release_heap=heap_releaser())
     rss_before = rss_bytes()
     service.start()
     try:

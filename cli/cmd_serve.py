@@ -75,6 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: aiohttp, ZMQ and the index are only paid for by `kvindex serve` itself.
+    from kvindex.cli import process
     from kvindex.cli.config import ConfigError, build_serve_config
     from kvindex.indexer.ingest import IngestService
 
@@ -84,10 +85,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     _configure_logging(config.log_level)
     # Before any ingest thread starts: the score path shares the GIL with them (see config.py).
-    sys.setswitchinterval(config.switch_interval_ms / 1000)
-    _raise_open_files_limit()
+    process.set_switch_interval(config.switch_interval_ms)
+    process.raise_open_files_limit()
     try:
-        service = IngestService(config.models, config.pods, listen=config.listen, settings=config.ingest)
+        service = IngestService(
+            config.models,
+            config.pods,
+            listen=config.listen,
+            settings=config.ingest,
+            release_heap=process.heap_releaser(),
+        )
     except ValueError as exc:
         raise CliError(f"cannot set up ingest: {exc}") from None
     return asyncio.run(_serve(service, config))
@@ -171,17 +178,3 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
         await runner.cleanup()  # stops HTTP, then the ingest service
     logger.info("stopped")
     return 0
-
-
-def _raise_open_files_limit() -> None:
-    """Each pod costs a few descriptors (SUB, monitor, replay DEALER); containers often start with a soft
-    limit of 1,024, which a few hundred pods exhaust. Raise the soft limit to the hard one."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-        if soft != resource.RLIM_INFINITY and soft < wanted:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit we have
-        pass

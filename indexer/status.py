@@ -6,7 +6,12 @@ api/metrics.py, so the write path never pays for metric objects.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import msgspec
+
+if TYPE_CHECKING:
+    from kvindex.indexer.registry import ModelRuntime
 
 # Pod states, as CONTRACT.md names them.
 STATE_LIVE = "live"
@@ -56,3 +61,16 @@ class IngestCounters(msgspec.Struct):
     unknown_parents: int = 0
     block_size_mismatches: int = 0
     non_prefix_group_events: int = 0
+
+
+class IngestView(Protocol):
+    """What the HTTP read path needs of the write path: the model registry, status and counters, and the
+    lifecycle when the app owns it. `kvindex.indexer.ingest.IngestService` provides it."""
+
+    def model(self, name: str) -> ModelRuntime | None: ...
+    def model_names(self) -> list[str]: ...
+    def pod_statuses(self) -> list[PodStatus]: ...
+    def counters(self) -> IngestCounters: ...
+    def ready(self) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self, timeout_s: float = 5.0) -> None: ...

@@ -14,11 +14,11 @@ from kvindex.replay.frames import FrameError, ReplayMessage, parse_replay, repla
 
 
 class ReplayResult(msgspec.Struct):
-    requested_seq: int
     messages: list[ReplayMessage]  # in seq order, end marker excluded
     complete: bool  # the end marker arrived before the timeout
-    history_lost: bool  # the first replayed seq is later than requested_seq (ring overflowed)
-    bad_frames: int = 0  # replies that were not vLLM replay messages (skipped)
+    history_lost: bool  # the first replayed seq is later than the one requested (ring overflowed)
+    # FrameError reason -> replies that were not vLLM replay messages (skipped; the caller counts them)
+    bad_frames: dict[str, int] = {}
 
 
 def replay_from(
@@ -37,7 +37,7 @@ def replay_from(
     context = ctx if ctx is not None else zmq.Context.instance()
     deadline = time.monotonic() + timeout_s
     messages: list[ReplayMessage] = []
-    bad_frames = 0
+    bad_frames: dict[str, int] = {}
     complete = False
     dealer = context.socket(zmq.DEALER)
     try:
@@ -51,8 +51,8 @@ def replay_from(
             frames = dealer.recv_multipart(zmq.NOBLOCK)
             try:
                 message = parse_replay(frames)
-            except FrameError:
-                bad_frames += 1
+            except FrameError as exc:
+                bad_frames[exc.reason] = bad_frames.get(exc.reason, 0) + 1
                 continue
             if message.is_end:
                 complete = True
@@ -62,7 +62,6 @@ def replay_from(
         dealer.close(linger=0)
     history_lost = bool(messages) and messages[0].seq > start_seq
     return ReplayResult(
-        requested_seq=start_seq,
         messages=messages,
         complete=complete,
         history_lost=history_lost,

@@ -1,6 +1,6 @@
 """Stage 3 of the write path: per-pod ordered work queues between the subscriber poller and the index.
 
-A pod always maps to the same worker thread (FNV-1a 32-bit of its id, modulo the worker count), so one
+A pod always maps to the same worker thread (xxHash32 of its id, modulo the worker count), so one
 pod's batches are handled strictly in arrival order while different pods proceed in parallel. Queues are
 bounded: a full queue makes `submit` wait a bounded time for room (back-pressure: meanwhile messages wait
 in ZMQ's own buffers instead of being dropped here), then drops the item and says so.
@@ -15,24 +15,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import xxhash
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-FNV32_OFFSET_BASIS = 0x811C9DC5
-FNV32_PRIME = 0x01000193
-
-
-def fnv1a_32(data: bytes) -> int:
-    """FNV-1a, 32-bit: stable across processes and runs (Python's hash() of str is not)."""
-    value = FNV32_OFFSET_BASIS
-    for byte in data:
-        value = ((value ^ byte) * FNV32_PRIME) & 0xFFFFFFFF
-    return value
-
 
 def worker_for(pod_id: str, num_workers: int) -> int:
-    return fnv1a_32(pod_id.encode("utf-8")) % num_workers
+    """The worker of a pod: stable across processes and runs (Python's hash() of str is not), in C."""
+    return xxhash.xxh32_intdigest(pod_id.encode("utf-8")) % num_workers
 
 
 class PodQueues(Generic[T]):
@@ -40,10 +32,9 @@ class PodQueues(Generic[T]):
 
     Contract: items of one pod are handled one at a time, in submission order, by one thread. A slow
     handler (e.g. a replay, bounded by its own timeout) delays every pod sharing that worker.
-    With `handle(pod_id, item)` only, items go one by one; an exception is logged and the worker goes
-    on with the next item. With `handle_many(entries)`, a worker takes everything queued (up to
-    `max_batch` (pod_id, item) entries, in order) per call — cheaper per item, and lets the handler
-    apply several messages of a pod at once; an exception there is logged and that batch is lost.
+    A worker takes everything queued (up to `max_batch` (pod_id, item) entries, in order) per
+    `handle_many(entries)` call — cheaper per item, and lets the handler apply several messages of a pod
+    at once; an exception escaping it is logged and that batch is lost.
 
     A deque + Event per worker instead of queue.Queue: one append and (only when the worker sleeps) one
     set() per item, instead of a lock and two conditions per put and get.
@@ -51,17 +42,15 @@ class PodQueues(Generic[T]):
 
     def __init__(
         self,
-        handle: Callable[[str, T], None],
+        handle_many: Callable[[list[tuple[str, T]]], None],
         *,
         num_workers: int = 4,
         queue_size: int = 10_000,
         name: str = "kvindex-ingest",
-        handle_many: Callable[[list[tuple[str, T]]], None] | None = None,
         max_batch: int = 256,
     ) -> None:
         if num_workers < 1 or queue_size < 1 or max_batch < 1:
             raise ValueError("num_workers, queue_size and max_batch must be at least 1")
-        self._handle = handle
         self._handle_many = handle_many
         self._name = name
         self._queue_size = queue_size
@@ -71,7 +60,7 @@ class PodQueues(Generic[T]):
         # Set by a worker after it took items off a queue that a submitter found full.
         self._room = [threading.Event() for _ in range(num_workers)]
         self._waiting = [False] * num_workers
-        # Pod id -> worker number: FNV-1a in Python costs ~1 µs per byte, the lookup ~50 ns.
+        # Pod id -> worker number (a dict lookup is cheaper than hashing the id again).
         self._worker_of: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
         self._started = False
@@ -158,15 +147,6 @@ class PodQueues(Generic[T]):
             # Cleared before draining: an item appended after the drain sets it again (no lost wakeup).
             wakeup.clear()
             while work:
-                if handle_many is None:
-                    pod_id, item = popleft()
-                    if waiting[idx]:
-                        room.set()
-                    try:
-                        self._handle(pod_id, item)
-                    except Exception:
-                        log.exception("ingest worker failed on an item of pod %s", pod_id)
-                    continue
                 entries = [popleft() for _ in range(min(len(work), max_batch))]
                 if waiting[idx]:
                     room.set()

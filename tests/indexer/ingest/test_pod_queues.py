@@ -1,29 +1,41 @@
-"""Per-pod ordered queues: FNV-1a sharding (published test values) and per-pod order under load."""
+"""Per-pod ordered queues: xxHash32 sharding (published test values) and per-pod order under load."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
-from kvindex.indexer.ingest.pod_queues import PodQueues, fnv1a_32, worker_for
+import xxhash
+from kvindex.indexer.ingest.pod_queues import PodQueues, worker_for
 
 
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        # From the FNV reference test suite (draft-eastlake-fnv, test vectors for FNV-1a 32).
-        (b"", 0x811C9DC5),
-        (b"a", 0xE40C292C),
-        (b"foobar", 0xBF9CF968),
+        # XXH32 with seed 0, from xxHash's own sanity checks (the spec's empty-input value and two more).
+        (b"", 0x02CC5D05),
+        (b"a", 0x550D7456),
+        (b"abc", 0x32D153FF),
     ],
 )
-def test_fnv1a_32_published_values(data: bytes, expected: int) -> None:
-    assert fnv1a_32(data) == expected
+def test_pods_are_sharded_by_xxh32_published_values(data: bytes, expected: int) -> None:
+    assert xxhash.xxh32_intdigest(data) == expected
+    assert worker_for(data.decode(), 7) == expected % 7
+
+
+def one_at_a_time(handle: Callable[[str, int], None]) -> Callable[[list[tuple[str, int]]], None]:
+    """A handle_many that handles its entries one by one (with max_batch=1: one item per call)."""
+
+    def handle_many(entries: list[tuple[str, int]]) -> None:
+        for pod_id, item in entries:
+            handle(pod_id, item)
+
+    return handle_many
 
 
 def test_a_pod_always_maps_to_one_worker_and_pods_spread() -> None:
-    assert worker_for("foobar", 7) == 0xBF9CF968 % 7
     workers = {worker_for(f"pod-{i}", 4) for i in range(100)}
     assert workers == {0, 1, 2, 3}
 
@@ -45,7 +57,7 @@ def test_each_pods_items_are_handled_in_order_by_one_thread() -> None:
             seen.setdefault(pod_id, []).append(item)
             threads.setdefault(pod_id, set()).add(threading.current_thread().name)
 
-    queues: PodQueues[int] = PodQueues(handle, num_workers=3, queue_size=100_000)
+    queues: PodQueues[int] = PodQueues(one_at_a_time(handle), num_workers=3, queue_size=100_000)
     queues.start()
     pods = [f"pod-{i}" for i in range(10)]
     for n in range(500):
@@ -68,7 +80,7 @@ def test_full_queue_drops_and_reports_it_and_a_blocked_pod_does_not_stall_other_
             assert release.wait(10)
         handled.append((pod_id, item))
 
-    queues: PodQueues[int] = PodQueues(handle, num_workers=2, queue_size=2)
+    queues: PodQueues[int] = PodQueues(one_at_a_time(handle), num_workers=2, queue_size=2, max_batch=1)
     queues.start()
     assert queues.submit(blocked_pod, 0)
     wait_for(lambda: queues.depth() == 0)  # the worker holds item 0
@@ -90,7 +102,7 @@ def test_a_full_queue_holds_a_waiting_submitter_until_the_worker_makes_room() ->
         assert release.wait(10)
         handled.append(item)
 
-    queues: PodQueues[int] = PodQueues(handle, num_workers=1, queue_size=2)
+    queues: PodQueues[int] = PodQueues(one_at_a_time(handle), num_workers=1, queue_size=2, max_batch=1)
     queues.start()
     assert queues.submit("a", 0)
     wait_for(lambda: queues.depth() == 0)  # the worker holds item 0
@@ -118,7 +130,7 @@ def test_a_failing_handler_does_not_kill_the_worker() -> None:
             raise RuntimeError("bad item")
         handled.append(item)
 
-    queues: PodQueues[int] = PodQueues(handle, num_workers=1)
+    queues: PodQueues[int] = PodQueues(one_at_a_time(handle), num_workers=1, max_batch=1)
     queues.start()
     queues.submit("a", 0)
     queues.submit("a", 1)

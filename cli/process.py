@@ -1,0 +1,47 @@
+"""Process setup for `kvindex serve`: what belongs to the process, not to the indexer — the open-files
+limit, the GIL switch interval, and handing freed heap pages back to the OS."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from collections.abc import Callable
+
+
+def raise_open_files_limit() -> None:
+    """Each pod costs a few descriptors (SUB, monitor, replay DEALER); containers often start with a soft
+    limit of 1,024, which a few hundred pods exhaust. Raise the soft limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit we have
+        pass
+
+
+def set_switch_interval(interval_ms: float) -> None:
+    """The GIL switch interval: ingest threads share the GIL with the event loop answering scores, and a
+    shorter slice hands it back sooner. Set before any ingest thread starts."""
+    sys.setswitchinterval(interval_ms / 1000)
+
+
+def heap_releaser() -> Callable[[], object] | None:
+    """glibc's malloc_trim(0), which returns whole free pages from anywhere in the heap; None where there
+    is no glibc (musl, macOS): releasing free heap pages is then left to the allocator."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+
+    def release() -> object:
+        return trim(0)
+
+    return release

@@ -1,0 +1,47 @@
+"""How the write path runs: one frozen settings object, built once at start-up (flags or TOML) and
+passed down to intake, workers and the service."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class IngestSettings(msgspec.Struct, frozen=True):
+    """How the write path runs. Built once at start-up.
+
+    Bind mode (`listen`): an engine dials in with topic `kv@<pod>@<model>` (split on the first two `@`:
+    pod ids cannot contain `@`, model names may). Its replay endpoint is `listen_replay_template` with
+    `{pod}` and `{model}` filled in, then vLLM's data-parallel offset applied for the batch's dp rank r > 0
+    (`tcp://host:P` -> `tcp://host:P+r`, `inproc://X` -> `inproc://X_dp{r}`), exactly as vLLM offsets the
+    engine's own `replay_endpoint`. Example: `tcp://{pod}:5558` reaches pod `engine-3` rank 1 at
+    `tcp://engine-3:5559`. None: bind-mode pods have no replay (gaps are then lost history).
+
+    Replays run on the pod's worker, bounded by `replay_timeout_s`: a slow replay delays the other pods
+    that share that worker (a hash of the pod id modulo `num_workers`).
+    """
+
+    # Per-pod ordered workers; a pod always maps to one. One by default: under the GIL more workers did
+    # not ingest faster per CPU-second but kept the GIL busier, and lookups during ingest got slower.
+    # Raise it when replays can be slow: a replay (<= replay_timeout_s) delays every pod on its worker.
+    num_workers: int = 1
+    queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
+    # A full queue holds the poller up to this long (messages wait in ZMQ's buffers meanwhile) before a
+    # message is dropped: a burst then costs latency, not a gap (which a pod without replay can't repair).
+    queue_full_wait_s: float = 2.0
+    max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
+    silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
+    quiet_probe_after_s: float = 5.0  # probe the replay socket when a pod went quiet after activity
+    replay_timeout_s: float = 2.0
+    hash_check_every: int = 64  # recompute hashes of 1 in N eligible BlockStored events
+    index_shards: int = 1  # under the GIL more shards only add routing work (see KVIndex)
+    index_max_keys: int = 50_000_000
+    index_max_pods_per_key: int = 256
+    # Bind mode: replay endpoint of a pod that dialled in, from its topic `kv@<pod>@<model>`;
+    # placeholders {pod}, {model}; vLLM's DP port offset is applied for ranks > 0. None: no replay.
+    listen_replay_template: str | None = None
+    rcvhwm: int = 100_000  # per SUB socket; a full one drops at the PUB (repaired by replay)
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5_000
+
+
+DEFAULT_SETTINGS = IngestSettings()

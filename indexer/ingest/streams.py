@@ -1,0 +1,104 @@
+"""The ingest pipeline's shared vocabulary: one `Stream` per (pod, dp rank) publisher, the table of them,
+and the two kinds of work the poller hands a pod's worker (a live message, a control request)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import msgspec
+from kvindex.indexer.decode import DecodedBatch
+from kvindex.indexer.events import PodRef
+from kvindex.replay.sequence import SequenceTracker
+
+
+class LiveItem(msgspec.Struct, frozen=True):
+    """A raw live message handed from the poller to a pod's worker (decoded there, not on the poller)."""
+
+    source_id: str
+    model: str
+    seq: int
+    payload: bytes
+
+
+ControlKind = Literal["join", "probe", "reconnect"]
+
+
+class ControlItem(msgspec.Struct, frozen=True):
+    kind: ControlKind
+    ref: PodRef
+
+
+WorkItem = LiveItem | ControlItem
+
+# What the tracker carries per seq: the batch decoded without token ids and its payload (decoded again
+# in full only when the hash check samples it), or None when the payload could not be decoded (its seq
+# is still consumed, so it does not look like a gap forever).
+TrackedBatch = tuple[DecodedBatch, bytes] | None
+
+
+class Stream:
+    """One (pod, dp rank) publisher: its tracker and its status. Touched by its pod's worker only,
+    except for plain attribute reads by the service's status and the poller's link flags."""
+
+    def __init__(
+        self, ref: PodRef, model: str, endpoint: str, replay_endpoint: str | None, *, connect_mode: bool
+    ) -> None:
+        self.ref = ref
+        self.model = model
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        # Connect mode: kvindex dials this stream's own SUB (its link state is this stream's). Bind mode:
+        # the engine dialled a shared bound SUB, and ZMQ does not say which engine a link event is for.
+        self.connect_mode = connect_mode
+        self.tracker: SequenceTracker[TrackedBatch] = SequenceTracker()
+        self.connected = False
+        self.ever_connected = False
+        self.created_at = time.monotonic()
+        self.last_live_at: float | None = None
+        self.active_since_probe = False
+        self.events_total = 0
+        self.replays_total = 0
+        self.hash_mismatches_total = 0
+        self.hash_mismatch = False
+        self.logged: set[str] = set()
+
+
+class StreamTable:
+    """Every stream by (pod, rank), and connect-mode streams by their subscriber source id.
+
+    Connect-mode streams are fixed at construction; bind-mode streams are added by workers on their first
+    message. Readers on other threads take `list()` copies under the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_ref: dict[PodRef, Stream] = {}
+        # Read on the poller's hot path without the lock (never written after start).
+        self.by_source: dict[str, Stream] = {}
+
+    def add_connect(self, source_id: str, stream: Stream) -> None:
+        if stream.ref in self._by_ref:
+            raise ValueError(f"pod {stream.ref.pod_id!r} dp rank {stream.ref.dp_rank} is configured twice")
+        self._by_ref[stream.ref] = stream
+        self.by_source[source_id] = stream
+
+    def add_bound(self, stream: Stream) -> Stream:
+        """Add a bind-mode stream unless one with its ref exists; the stream that is in the table."""
+        with self._lock:
+            return self._by_ref.setdefault(stream.ref, stream)
+
+    def get(self, ref: PodRef) -> Stream | None:
+        return self._by_ref.get(ref)
+
+    def all(self) -> list[Stream]:
+        with self._lock:
+            return list(self._by_ref.values())
+
+    def bound(self) -> Iterator[Stream]:
+        return (stream for stream in self.all() if not stream.connect_mode)
+
+    def __len__(self) -> int:
+        return len(self._by_ref)

@@ -1,0 +1,372 @@
+"""Write path, stages 3-6: one pod's work items, in order, on its worker thread. Decode -> sequence check
+(next -> apply; duplicate -> skip; gap -> replay from the pod's ROUTER; restart or lost history -> clear)
+-> filter (non-prefix groups, block-size mismatch, sampled hash check) -> one `index.apply` per stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import xxhash
+import zmq
+from kvindex.indexer.decode import DecodeError, decode_batch
+from kvindex.indexer.events import (
+    PREFIX_SPEC_KINDS,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+    PodRef,
+)
+from kvindex.indexer.hash_check import (
+    HashCheckSampler,
+    could_be_checkable,
+    diagnose_mismatch,
+    hashes_agree,
+    is_checkable,
+)
+from kvindex.indexer.ingest.counters import Counters
+from kvindex.indexer.ingest.heap import HeapRelease
+from kvindex.indexer.ingest.settings import IngestSettings
+from kvindex.indexer.ingest.streams import ControlItem, LiveItem, Stream, StreamTable, TrackedBatch, WorkItem
+from kvindex.indexer.model import ModelConfig
+from kvindex.indexer.registry import ModelRegistry, ModelRuntime
+from kvindex.replay.endpoints import offset_endpoint_port
+from kvindex.replay.replay_client import replay_from
+from kvindex.replay.sequence import Action, Apply, ClearPod, FetchReplay, ReplayedItem
+
+log = logging.getLogger("kvindex.indexer.ingest")
+
+# A payload's digest for the sequence tracker (a duplicate vs a restarted engine's new batch): xxh3 runs
+# several times faster than zlib's crc32 over these payloads.
+_digest = xxhash.xxh3_64_intdigest
+
+
+class _Accumulator:
+    """What one `handle_many` call gathered: kept events per stream (in order), and counts."""
+
+    __slots__ = ("pending", "stored", "removed", "cleared", "non_prefix", "unknown_parents")
+
+    def __init__(self) -> None:
+        self.pending: dict[Stream, list[KVEvent]] = {}
+        self.stored = 0
+        self.removed = 0
+        self.cleared = 0
+        self.non_prefix = 0
+        self.unknown_parents = 0
+
+
+class StreamWorker:
+    """Applies work items to the streams and indexes. One instance serves every worker thread: a pod's
+    items only ever reach one thread (PodQueues), and each stream is touched by its pod's thread only."""
+
+    def __init__(
+        self,
+        settings: IngestSettings,
+        streams: StreamTable,
+        models: ModelRegistry,
+        counters: Counters,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        listen_sources: dict[str, str],
+        heap: HeapRelease,
+        queue_depth: Callable[[], int],
+    ) -> None:
+        self._settings = settings
+        self._streams = streams
+        self._models = models
+        self._counters = counters
+        self._ctx = ctx
+        # Bind-mode source id -> the resolved address engines dial (filled by the service at start).
+        self._listen_sources = listen_sources
+        self._heap = heap
+        self._queue_depth = queue_depth
+        self._sampler = HashCheckSampler(settings.hash_check_every)
+
+    def handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
+        """Everything a worker drained, in order. Kept events are gathered per stream and applied with
+        one `index.apply` per stream (flushed early before anything that must see them: a clear, a
+        replay, an AllBlocksCleared); counters are added once per call."""
+        acc = _Accumulator()
+        try:
+            for pod_id, item in entries:
+                try:
+                    if type(item) is LiveItem:
+                        self._handle_live(pod_id, item, acc)
+                    elif type(item) is ControlItem:
+                        self._handle_control(item, acc)
+                except Exception:
+                    log.exception("ingest worker failed on an item of pod %s", pod_id)
+        finally:
+            self._flush_all(acc)
+        self._heap.after_drain(idle=not self._queue_depth())
+
+    def _handle_live(self, pod_id: str, item: LiveItem, acc: _Accumulator) -> None:
+        self._heap.note(len(item.payload))
+        decoded = self._decode(pod_id, item.seq, item.payload)
+        stream = self._streams.by_source.get(item.source_id)
+        if stream is None:
+            stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
+        stream.last_live_at = time.monotonic()
+        stream.active_since_probe = True
+        actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload))
+        if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
+            self._apply(stream, actions[0].seq, actions[0].item, acc)
+        elif actions:
+            self._perform(stream, actions, acc)
+
+    def _handle_control(self, item: ControlItem, acc: _Accumulator) -> None:
+        stream = self._streams.get(item.ref)
+        if stream is None:
+            return
+        if item.kind == "join":
+            self._perform(stream, stream.tracker.begin_join(), acc)
+        elif item.kind == "probe":
+            self._perform(stream, stream.tracker.begin_probe(), acc)
+        elif item.kind == "reconnect":
+            stream.tracker.on_reconnect()
+
+    def _bind_stream(self, pod_id: str, model: str, decoded: TrackedBatch, source_id: str) -> Stream:
+        rank = decoded[0].batch.dp_rank if decoded is not None and decoded[0].batch.dp_rank is not None else 0
+        ref = PodRef(pod_id, rank)
+        stream = self._streams.get(ref)
+        if stream is not None:
+            return stream
+        template = self._settings.listen_replay_template
+        replay_endpoint = None
+        if template is not None:
+            replay_endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
+        endpoint = self._listen_sources.get(source_id, "")
+        stream = self._streams.add_bound(Stream(ref, model, endpoint, replay_endpoint, connect_mode=False))
+        log.info(
+            "pod %s dp rank %d (model %s) dialled in; replay endpoint %s",
+            pod_id,
+            rank,
+            model,
+            replay_endpoint,
+        )
+        return stream
+
+    def _decode(self, pod_id: str, seq: int, payload: bytes) -> TrackedBatch:
+        """Decode without token ids (most of the bytes; only the hash check needs them, and it decodes
+        its sampled batches again in full)."""
+        try:
+            decoded = decode_batch(payload, with_token_ids=False)
+        except DecodeError as exc:
+            self._counters.drop(f"decode_{exc.reason}", f"pod {pod_id}: seq {seq} unreadable: {exc}")
+            return None
+        if decoded.dropped:
+            for reason, n in decoded.dropped.items():
+                self._counters.add_to("dropped", reason, n)
+        return decoded, payload
+
+    def _perform(self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator) -> None:
+        tracker = stream.tracker
+        before = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
+        self._run_actions(stream, actions, acc)
+        # Off the common path (a join, replay, clear or skip): bring the index level with the tracker's
+        # state now rather than at the end of the drain, so a status read sees both agree.
+        self._flush(stream, acc)
+        after = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
+        for name, old, new in zip(("gaps", "duplicates", "history_lost"), before, after, strict=True):
+            if new != old:
+                self._counters.add(name, new - old)
+
+    def _run_actions(self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator) -> None:
+        while actions:
+            next_actions: list[Action[TrackedBatch]] = []
+            for action in actions:
+                if isinstance(action, Apply):
+                    self._apply(stream, action.seq, action.item, acc)
+                elif isinstance(action, ClearPod):
+                    self._flush(stream, acc)
+                    self._clear(stream, action)
+                elif isinstance(action, FetchReplay):
+                    self._flush(stream, acc)  # what we have is indexed while the replay runs
+                    next_actions = self._replay(stream, action)
+            actions = next_actions
+
+    def _replay(self, stream: Stream, request: FetchReplay) -> list[Action[TrackedBatch]]:
+        pod = stream.ref
+        if stream.replay_endpoint is None:
+            self._counters.add_to("replays", "unavailable")
+            if request.purpose == "gap":
+                self._counters.log_once(
+                    f"noreplay:{pod}", "pod %s rank %d: gap but no replay endpoint", pod.pod_id, pod.dp_rank
+                )
+            return stream.tracker.on_replay([], False)
+        stream.replays_total += 1
+        try:
+            result = replay_from(
+                stream.replay_endpoint,
+                request.start_seq,
+                timeout_s=self._settings.replay_timeout_s,
+                ctx=self._ctx,
+            )
+        except zmq.ZMQError as exc:
+            self._counters.add_to("replays", "error")
+            log.warning(
+                "pod %s rank %d: replay from seq %d failed: %s",
+                pod.pod_id,
+                pod.dp_rank,
+                request.start_seq,
+                exc,
+            )
+            return stream.tracker.on_replay([], False)
+        for reason, n in result.bad_frames.items():
+            self._counters.add_to("dropped", f"replay_{reason}", n)
+        outcome = "ok" if result.complete else "timeout"
+        if result.history_lost and request.purpose != "join":
+            outcome = "history_lost"
+        self._counters.add_to("replays", outcome)
+        log.info(
+            "pod %s rank %d: %s replay from seq %d -> %d batches (%s)",
+            pod.pod_id,
+            pod.dp_rank,
+            request.purpose,
+            request.start_seq,
+            len(result.messages),
+            outcome,
+        )
+        replayed = [
+            ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), _digest(m.payload))
+            for m in result.messages
+        ]
+        return stream.tracker.on_replay(replayed, result.complete)
+
+    def _clear(self, stream: Stream, action: ClearPod) -> None:
+        pod = stream.ref
+        cleared = self._models[stream.model].index.clear_pod(pod)
+        if action.reason == "restart":
+            self._counters.add("restarts")
+            stream.hash_mismatch = False  # a new engine process may run with new settings
+            log.warning(
+                "pod %s rank %d: engine restarted; dropped its %d entries", pod.pod_id, pod.dp_rank, cleared
+            )
+        else:
+            log.warning(
+                "pod %s rank %d: batches after seq %s are lost (not in the replay ring); dropped %d entries, "
+                "state resyncing",
+                pod.pod_id,
+                pod.dp_rank,
+                stream.tracker.last_applied,
+                cleared,
+            )
+
+    def _apply(self, stream: Stream, seq: int, decoded: TrackedBatch, acc: _Accumulator) -> None:
+        """Filter one batch's events for the index and queue them on `acc` (applied at the next flush)."""
+        if decoded is None:
+            return
+        batch, payload = decoded
+        runtime = self._models[stream.model]
+        config = runtime.config
+        block_size = config.block_size
+        prefix_groups = config.prefix_group_idxs
+        kept = acc.pending.get(stream)
+        if kept is None:
+            kept = acc.pending[stream] = []
+        cleared = False
+        for pos, event in enumerate(batch.batch.events):
+            if type(event) is BlocksStored:
+                spec_kind = event.spec_kind
+                group_idx = event.group_idx
+                if (spec_kind is not None and spec_kind not in PREFIX_SPEC_KINDS) or (
+                    group_idx is not None and group_idx not in prefix_groups
+                ):
+                    acc.non_prefix += 1
+                    continue
+                event_block_size = event.block_size
+                if event_block_size != 0 and event_block_size != block_size:
+                    self._flag_block_size(stream, seq, event, config)
+                    continue
+                if event.parent_key is None:
+                    self._maybe_check_hashes(stream, seq, event, pos, payload, runtime)
+                acc.stored += 1
+            elif type(event) is BlocksRemoved:
+                group_idx = event.group_idx
+                if group_idx is not None and group_idx not in prefix_groups:
+                    acc.non_prefix += 1
+                    continue
+                acc.removed += 1
+            elif type(event) is AllBlocksCleared:
+                acc.cleared += 1
+                cleared = True
+            kept.append(event)
+        if cleared:
+            self._flush(stream, acc)
+            stream.tracker.view_complete()
+
+    def _flush(self, stream: Stream, acc: _Accumulator) -> None:
+        events = acc.pending.pop(stream, None)
+        if not events:
+            return
+        stats = self._models[stream.model].index.apply(stream.ref, events)
+        acc.unknown_parents += stats.unknown_parents
+        stream.events_total += len(events)
+
+    def _flush_all(self, acc: _Accumulator) -> None:
+        for stream in list(acc.pending):
+            try:
+                self._flush(stream, acc)
+            except Exception:
+                log.exception("ingest worker failed to apply a batch of pod %s", stream.ref.pod_id)
+        counters = self._counters
+        with counters.lock:
+            values = counters.values
+            applied = values.events_applied
+            for name, n in (
+                ("BlockStored", acc.stored),
+                ("BlockRemoved", acc.removed),
+                ("AllBlocksCleared", acc.cleared),
+            ):
+                if n:
+                    applied[name] = applied.get(name, 0) + n
+            values.unknown_parents += acc.unknown_parents
+            values.non_prefix_group_events += acc.non_prefix
+
+    def _flag_block_size(self, stream: Stream, seq: int, event: BlocksStored, config: ModelConfig) -> None:
+        self._counters.add("block_size_mismatches")
+        stream.hash_mismatch = True
+        if "block_size" not in stream.logged:
+            stream.logged.add("block_size")
+            log.warning(
+                "pod %s rank %d seq %d: event block_size %d differs from model %s's %d; not indexed "
+                "(set --block-size to the engines' value)",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                seq,
+                event.block_size,
+                config.name,
+                config.block_size,
+            )
+
+    def _maybe_check_hashes(
+        self, stream: Stream, seq: int, event: BlocksStored, pos: int, payload: bytes, runtime: ModelRuntime
+    ) -> None:
+        """Sample, then decode the batch again with its token ids (the hot path skipped them)."""
+        config = runtime.config
+        if not could_be_checkable(event, config.block_size) or not self._sampler.should_check(stream.ref):
+            return
+        try:
+            events = decode_batch(payload).batch.events
+        except DecodeError:
+            return
+        full = events[pos] if pos < len(events) else None
+        # A batch the two decoders read differently (an event only one of them dropped): skip the check.
+        if not isinstance(full, BlocksStored) or full.block_keys != event.block_keys:
+            return
+        if not is_checkable(full, config.block_size) or hashes_agree(full, runtime.hasher):
+            return
+        stream.hash_mismatches_total += 1
+        stream.hash_mismatch = True
+        self._counters.add("hash_mismatches")
+        if "hash" not in stream.logged:
+            stream.logged.add("hash")
+            log.warning(
+                "pod %s rank %d seq %d: block hashes differ from model %s's settings: %s",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                seq,
+                config.name,
+                diagnose_mismatch(full, config),
+            )
