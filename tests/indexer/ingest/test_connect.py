@@ -7,10 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import zmq
 from ingest_support import Engine, SilentReplay, index_matches, indexed_keys, wait_for
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.status import PodStatus
+from kvindex.replay.frames import parse_replay_request, replay_end_frames, replay_reply_frames
+from kvindex.replay.publisher import encode_batch
+from kvindex.replay.wire import BlockStored, KVEventBatch
 
 MODEL = ModelConfig(name="m")
 FAST = IngestSettings(num_workers=2, quiet_probe_after_s=0.3, replay_timeout_s=5.0, hash_check_every=1)
@@ -192,3 +196,41 @@ def test_a_service_with_no_pods_and_no_listen_starts_ready_and_holds_what_tools_
     finally:
         service.stop()
     assert not service.ready()
+
+
+def test_replay_replies_that_are_not_vllm_frames_are_counted_by_reason(engines: list[Engine]) -> None:
+    """A join replay answered with one good batch, one reply whose seq frame is 3 bytes, then the end
+    marker: the good batch is applied and the bad reply shows in dropped{reason}."""
+    engines.append(Engine("pod-a", replay_endpoint=None))
+    router_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = router_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    event = BlockStored(
+        block_hashes=[11, 12],
+        parent_block_hash=None,
+        token_ids=list(range(32)),
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    payload = encode_batch(KVEventBatch(ts=0.0, events=[event]))
+    config = PodConfig("pod-a", engines[0].endpoint, "m", replay_endpoint=f"tcp://127.0.0.1:{port}")
+    service = IngestService([MODEL], [config], settings=FAST)
+    service.start()
+    try:
+        assert router.poll(10_000), "no join replay request arrived"
+        identity, start_seq = parse_replay_request(router.recv_multipart())
+        assert start_seq == 0
+        router.send_multipart(replay_reply_frames(identity, b"", 0, payload))
+        router.send_multipart([identity, b"", b"", b"\x00\x01\x02", b"junk"])
+        router.send_multipart(replay_end_frames(identity))
+        wait_for(service.ready, what="join")
+        assert service.counters().dropped.get("replay_bad_seq") == 1
+        index = service.model("m").index  # type: ignore[union-attr]
+        assert {key for key in (11, 12) if index.lookup_ids([key])[0]} == {11, 12}
+    finally:
+        service.stop()
+        router.close(linger=0)
+        router_ctx.destroy(linger=0)
