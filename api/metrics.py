@@ -103,7 +103,7 @@ COUNTER_METRICS: dict[str, tuple[str, str, str | None]] = {
 KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "events_applied": ("BlockStored", "BlockRemoved", "AllBlocksCleared"),
     # "unavailable": a gap or join on a stream with no replay endpoint configured.
-    "replays": ("ok", "history_lost", "timeout", "error", "unavailable"),
+    "replays": ("ok", "history_lost", "timeout", "error", "unavailable", "gave_up"),
 }
 
 _STREAM_LABELS = ["pod", "dp_rank", "model"]

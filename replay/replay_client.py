@@ -19,6 +19,7 @@ class ReplayResult(msgspec.Struct):
     history_lost: bool  # the first replayed seq is later than the one requested (ring overflowed)
     # FrameError reason -> replies that were not vLLM replay messages (skipped; the caller counts them)
     bad_frames: dict[str, int] = {}
+    error: str | None = None  # the request could not be sent (e.g. a malformed endpoint)
 
 
 def replay_from(

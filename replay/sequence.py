@@ -17,8 +17,14 @@ T = TypeVar("T")
 
 # Digests of the most recently applied seqs kept for duplicate/restart decisions.
 RECENT_DIGESTS = 256
+# Replay attempts for one request before the tracker goes on without its answer (the shell spaces them
+# with a capped backoff; a failed attempt proves nothing about the engine).
+MAX_REPLAY_ATTEMPTS = 5
+# Live batches held while a replay is out; beyond this the oldest are let go (a replay that succeeds
+# brings them back from the ring, which is no larger than vLLM's 10,000 batches by default).
+MAX_HELD = 20_000
 
-ClearReason = Literal["restart", "history_lost"]
+ClearReason = Literal["restart", "history_lost", "resync"]
 ReplayPurpose = Literal["join", "gap", "verify", "reconnect", "probe"]
 
 
@@ -38,11 +44,13 @@ class ClearPod(msgspec.Struct, frozen=True):
 class FetchReplay(msgspec.Struct, frozen=True):
     """Ask the stream's replay socket for every batch with seq >= start_seq, then call `on_replay`.
 
-    Always the last action of a list; live items arriving meanwhile are held by the tracker.
+    Always the last action of a list; live items arriving meanwhile are held by the tracker. `attempt`
+    counts earlier failed tries of the same request (0 for the first): the shell waits before a retry.
     """
 
     start_seq: int
     purpose: ReplayPurpose
+    attempt: int = 0
 
 
 Action = Apply[T] | ClearPod | FetchReplay
@@ -57,21 +65,26 @@ class ReplayedItem(msgspec.Struct, Generic[T], frozen=True):
 class SequenceTracker(Generic[T]):
     """Orders one stream's batches: apply next, skip duplicates, repair gaps, detect restarts.
 
-    Contract (all seqs are vLLM's per-publisher counter, 0, 1, 2, ...):
+    Contract (all seqs are vLLM's per-publisher counter, 0, 1, 2, ...; vLLM has no epoch):
     - First contact asks for a replay from seq 0 (late join); the replay and the live stream are merged.
     - seq == last_applied + 1: applied at once.
     - A seq already applied with the same digest: duplicate, skipped (normal right after a replay).
       The same seq with another digest: the engine restarted (clear, rejoin from 0).
-    - A seq older than the remembered digests: verified against the replay socket from last_applied
-      (same digest there -> a stale duplicate; missing or different -> restart).
+    - A seq older than the remembered digests: verified against the replay socket from last_applied;
+      once that proved the engine the same, later ones are stale copies skipped without a replay, until
+      the next (re)connection.
+    - A (re)connection of the transport (`on_reconnect`) asks the ring from last_applied whatever the
+      live seqs are: the ring's newest seq below last_applied, or other content at last_applied, is a
+      restarted engine (clear, rejoin from 0), whether its new seqs are fewer or more than ours.
     - A jump: replay from last_applied (its digest proves the engine is the same), merged with the held
-      live batches. If the ring no longer holds last_applied (or the replay failed), the missing
-      batches are lost: clear the pod, apply what exists, and set `resyncing`. A ring whose newest seq
-      is below last_applied means a restart.
-    - After a reconnect (`on_reconnect`) the next live batch is verified the same way whatever its seq:
-      a restarted engine whose seqs happen to continue ours must not be stitched onto the old stream.
-    - `resyncing` and `partial_view` end when the view is complete again: the shell calls
-      `view_complete()` after an AllBlocksCleared, and a rejoin that starts at seq 0 clears them.
+      live batches. If the ring no longer holds last_applied, the missing batches are lost: clear the
+      pod, apply what exists, and set `resyncing`.
+    - A replay that fails (timeout, no answer) proves nothing: it is asked again (`attempt` + 1) up to
+      MAX_REPLAY_ATTEMPTS; then the tracker goes on with what it holds, never clearing on the failure
+      itself (a gap it cannot fill is lost history), and sets `needs_check` for the shell to probe later.
+    - `resyncing` and `partial_view` end when the view is complete again: after an AllBlocksCleared
+      (the shell calls `view_complete()`), or when a probe finds the ring still starting at seq 0 (the
+      whole history: clear and apply it all, reason "resync").
     """
 
     def __init__(self) -> None:
@@ -80,13 +93,21 @@ class SequenceTracker(Generic[T]):
         self.resyncing = False
         self.partial_view = False
         self.awaiting: FetchReplay | None = None
-        self.verify_next = False
+        # The shell should probe this stream again soon (a check that could not be made).
+        self.needs_check = False
         self.num_duplicates = 0
         self.num_gaps = 0
         self.num_restarts = 0
         self.num_history_lost = 0
+        self.num_held_dropped = 0
         self._recent: OrderedDict[int, int] = OrderedDict()
         self._held: dict[int, tuple[T, int]] = {}
+        # The engine behind the stream was proven the one we follow since the last (re)connection.
+        self._verified = False
+        # A (re)connection happened while a replay was out: check again once it is answered.
+        self._recheck = False
+        # The ring no longer starts at seq 0 for this engine: a whole-history resync cannot succeed.
+        self._ring_overflowed = False
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -97,75 +118,125 @@ class SequenceTracker(Generic[T]):
         return [self._fetch(0, "join")]
 
     def begin_probe(self) -> list[Action[T]]:
-        """The stream went quiet: check the ring for batches we never received (or a restart)."""
+        """The stream went quiet (or a check is due): ask the ring for batches we never received, for a
+        restart, and — while the view is flagged — for the whole history."""
         if self.awaiting is not None:
             return []
-        return [self._fetch(0 if self.last_applied is None else self.last_applied, "probe")]
+        if not self.joined:
+            return [self._fetch(0, "join")]
+        flagged = (self.partial_view or self.resyncing) and not self._ring_overflowed
+        start = 0 if self.last_applied is None or flagged else self.last_applied
+        return [self._fetch(start, "probe")]
 
-    def on_reconnect(self) -> None:
-        """The transport reconnected: the engine behind it may be a new process."""
-        if self.last_applied is not None:
-            self.verify_next = True
+    def on_reconnect(self) -> list[Action[T]]:
+        """The transport (re)connected: the engine behind it may be a new process. Check the ring."""
+        self._verified = False
+        if self.awaiting is not None:
+            self._recheck = True
+            return []
+        if not self.joined:
+            return [self._fetch(0, "join")]
+        return [self._fetch(0 if self.last_applied is None else self.last_applied, "reconnect")]
 
     def on_live(self, seq: int, item: T, digest: int) -> list[Action[T]]:
         if self.awaiting is not None:
-            self._held[seq] = (item, digest)
+            self._hold(seq, item, digest)
             return []
         if not self.joined:
-            self._held[seq] = (item, digest)
+            self._hold(seq, item, digest)
             return [self._fetch(0, "join")]
         last = self.last_applied
-        if self.verify_next and last is not None:
-            self.verify_next = False
-            if seq != last or self._recent.get(seq) != digest:
-                self._held[seq] = (item, digest)
-                return [self._fetch(last, "reconnect")]
         if last is not None and seq <= last:
             known = self._recent.get(seq)
-            if known == digest:
+            if known == digest or (known is None and self._verified):
                 self.num_duplicates += 1
                 return []
             if known is not None:
                 actions: list[Action[T]] = [self._restart()]
                 return actions + self.on_live(seq, item, digest)
-            self._held[seq] = (item, digest)
+            self._hold(seq, item, digest)
             return [self._fetch(last, "verify")]
         expected = 0 if last is None else last + 1
         if seq == expected:
             self._mark_applied(seq, digest)
             return [Apply(seq, item)]
         self.num_gaps += 1
-        self._held[seq] = (item, digest)
+        self._hold(seq, item, digest)
         return [self._fetch(expected if last is None else last, "gap")]
 
     def on_replay(self, replayed: Sequence[ReplayedItem[T]], complete: bool) -> list[Action[T]]:
         """The reply to the last FetchReplay: `replayed` in seq order, `complete` = end marker seen.
 
-        A failed or timed-out request is `([], False)`.
+        An incomplete reply (timeout, no answer) is a failed attempt: the same request again, or after
+        MAX_REPLAY_ATTEMPTS the stream goes on with what it holds.
         """
         request = self.awaiting
         if request is None:
             return []
+        if not complete:
+            if request.attempt + 1 < MAX_REPLAY_ATTEMPTS:
+                self.awaiting = FetchReplay(request.start_seq, request.purpose, request.attempt + 1)
+                return [self.awaiting]
+            self.needs_check = True
+            return self._settle(request, [], proven=False)
+        self.needs_check = False
+        actions = self._settle(request, replayed, proven=True)
+        if self._recheck and self.awaiting is None:
+            self._recheck = False
+            actions.append(self._fetch(0 if self.last_applied is None else self.last_applied, "reconnect"))
+        return actions
+
+    def on_replay_unavailable(self) -> list[Action[T]]:
+        """The stream has no replay socket: go on with what is held (what is missing is lost)."""
+        request = self.awaiting
+        if request is None:
+            return []
+        return self._settle(request, [], proven=False)
+
+    def view_complete(self) -> None:
+        """The pod's view is whole again (it cleared its cache): leave `resyncing` / `partial_view`."""
+        self.resyncing = False
+        self.partial_view = False
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _settle(
+        self, request: FetchReplay, replayed: Sequence[ReplayedItem[T]], proven: bool
+    ) -> list[Action[T]]:
+        """Merge a replay's batches (proven: the ring answered completely) with the held live ones."""
         self.awaiting = None
         self.joined = True
-        self.verify_next = False
+        self._recheck = self._recheck and proven
         items = [r for r in replayed if r.seq >= request.start_seq]
         last = self.last_applied
         actions: list[Action[T]] = []
+        if proven and request.start_seq == 0 and last is not None:
+            if items and items[0].seq == 0:
+                if self.partial_view or self.resyncing:
+                    # The ring still holds the whole history: rebuild the view from it, exactly.
+                    self._reset_view()
+                    last = None
+                    actions.append(ClearPod("resync"))
+            elif items:
+                self._ring_overflowed = True
+            if last is not None:
+                items = [r for r in items if r.seq >= last]
         unverified = False
-        if last is not None:
+        if last is not None and proven:
             if items and items[0].seq == last:
                 if items[0].digest != self._recent.get(last, items[0].digest):
                     return [self._restart(), self._fetch(0, "join")]
                 items = items[1:]
+                self._verified = True
             elif items:
                 # The ring no longer holds last_applied, so nothing proves these batches come from the
                 # engine we were following: treat the gap as lost history.
                 unverified = True
-            elif complete or request.purpose == "verify":
-                # The ring's newest seq is below what we applied (or a seq went back and cannot be
-                # checked): a new engine.
+            else:
+                # The ring's newest seq is below what we applied: a new engine.
                 return [self._restart(), self._fetch(0, "join")]
+        elif proven and items and items[0].seq > 0:
+            self._ring_overflowed = True
         merged: dict[int, tuple[T, int]] = dict(self._held)
         for r in items:
             merged[r.seq] = (r.item, r.digest)
@@ -175,7 +246,7 @@ class SequenceTracker(Generic[T]):
         self._held = {}
         if not pending:
             return actions
-        if request.purpose == "probe":
+        if request.purpose == "probe" and actions == []:
             self.num_gaps += 1
         expected = 0 if last is None else last + 1
         gapless = pending[-1] - pending[0] == len(pending) - 1
@@ -187,6 +258,13 @@ class SequenceTracker(Generic[T]):
                 self.num_history_lost += 1
                 self.resyncing = True
                 actions.append(ClearPod("history_lost"))
+                # Only the run after the last hole: a batch in a hole may have removed what an earlier
+                # batch stored, so nothing before it can be applied safely.
+                tail = len(pending) - 1
+                while tail > 0 and pending[tail - 1] == pending[tail] - 1:
+                    tail -= 1
+                self.num_duplicates -= tail  # not duplicates: let go with the hole
+                pending = pending[tail:]
         elif last is None:
             self.partial_view = False
             self.resyncing = False
@@ -196,24 +274,27 @@ class SequenceTracker(Generic[T]):
             actions.append(Apply(seq, item))
         return actions
 
-    def view_complete(self) -> None:
-        """The pod's view is whole again (it cleared its cache): leave `resyncing` / `partial_view`."""
-        self.resyncing = False
-        self.partial_view = False
-
-    # -- internals ------------------------------------------------------------------------------
+    def _hold(self, seq: int, item: T, digest: int) -> None:
+        self._held[seq] = (item, digest)
+        if len(self._held) > MAX_HELD:
+            del self._held[min(self._held)]
+            self.num_held_dropped += 1
 
     def _fetch(self, start_seq: int, purpose: ReplayPurpose) -> FetchReplay:
         self.awaiting = FetchReplay(start_seq, purpose)
         return self.awaiting
 
-    def _restart(self) -> ClearPod:
-        self.num_restarts += 1
-        self.verify_next = False
+    def _reset_view(self) -> None:
         self.last_applied = None
         self.resyncing = False
         self.partial_view = False
         self._recent.clear()
+
+    def _restart(self) -> ClearPod:
+        self.num_restarts += 1
+        self._reset_view()
+        self._verified = False
+        self._ring_overflowed = False
         return ClearPod("restart")
 
     def _mark_applied(self, seq: int, digest: int) -> None:

@@ -3,6 +3,7 @@ queue. Nothing is decoded here: the one poller thread reads every socket, so it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 from kvindex.indexer.ingest.counters import Counters
@@ -80,22 +81,29 @@ class Intake:
         if stream is not None:
             stream.connected = event == "connected"
             if event == "connected":
-                if stream.ever_connected:
-                    self.submit(stream.ref.pod_id, ControlItem("reconnect", stream.ref), from_poller=True)
+                # Every connection, the first included: the engine may have published before we were
+                # subscribed (a fresh engine bursts at once) or be a new process on the same address.
                 stream.ever_connected = True
+                stream.connected_at = time.monotonic()
+                stream.active_since_probe = True
+                self.submit(stream.ref.pod_id, ControlItem("reconnect", stream.ref), force=True)
             return
-        # Bind mode: ZMQ does not say which engine came or went.
+        # Bind mode: ZMQ does not say which engine came or went, so every known stream checks its ring.
         if event == "connected":
             self.listen_peers += 1
+            now = time.monotonic()
             for bound in self._streams.bound():
-                self.submit(bound.ref.pod_id, ControlItem("reconnect", bound.ref), from_poller=True)
+                bound.connected_at = now
+                bound.active_since_probe = True
+                self.submit(bound.ref.pod_id, ControlItem("reconnect", bound.ref), force=True)
         else:
             self.listen_peers = max(0, self.listen_peers - 1)
 
-    def submit(self, pod_id: str, item: WorkItem, *, from_poller: bool = False) -> None:
-        # Only the poller thread may wait for room (PodQueues allows one waiting submitter).
+    def submit(self, pod_id: str, item: WorkItem, *, from_poller: bool = False, force: bool = False) -> None:
+        """Queue for the pod's worker. Only the poller thread may wait for room (PodQueues allows one
+        waiting submitter); `force` (control items a stream needs) queues past the bound."""
         wait_s = self._settings.queue_full_wait_s if from_poller else 0.0
-        if not self._queues.submit(pod_id, item, wait_s=wait_s):
+        if not self._queues.submit(pod_id, item, wait_s=wait_s, force=force):
             # The stream sees a gap at its next message (or the quiet probe) and replays it.
             seq = item.seq if isinstance(item, LiveItem) else None
             self._counters.drop("queue_full", f"pod {pod_id}: worker queue full, message seq {seq} dropped")

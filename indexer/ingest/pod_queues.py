@@ -79,17 +79,18 @@ class PodQueues(Generic[T]):
             thread.start()
             self._threads.append(thread)
 
-    def submit(self, pod_id: str, item: T, *, wait_s: float = 0.0) -> bool:
+    def submit(self, pod_id: str, item: T, *, wait_s: float = 0.0, force: bool = False) -> bool:
         """Queue an item for the pod's worker.
 
         When that worker's queue is full, wait up to `wait_s` for room; False (item dropped) if none came.
-        Only one thread (the poller) may submit with `wait_s > 0`.
+        Only one thread (the poller) may submit with `wait_s > 0`. `force`: queue it past the bound (for
+        the few control items a stream cannot do without, such as a replay's answer).
         """
         idx = self._worker_of.get(pod_id)
         if idx is None:
             idx = self._worker_of[pod_id] = worker_for(pod_id, len(self._queues))
         work = self._queues[idx]
-        if len(work) >= self._queue_size and not self._wait_for_room(idx, wait_s):
+        if len(work) >= self._queue_size and not force and not self._wait_for_room(idx, wait_s):
             return False
         work.append((pod_id, item))
         wakeup = self._wakeups[idx]
@@ -119,10 +120,13 @@ class PodQueues(Generic[T]):
         return sum(len(work) for work in self._queues)
 
     def stop(self, timeout_s: float = 5.0) -> bool:
-        """Finish what is queued, then stop the workers; False if one did not stop within the timeout."""
+        """Drop what is still queued, let each worker finish the batch in hand, and stop them; False if
+        one did not stop within the timeout (a stopping process has no use for queued events)."""
         if not self._started:
             return True
         self._stopping = True
+        for work in self._queues:
+            work.clear()
         for wakeup in self._wakeups:
             wakeup.set()
         deadline = time.monotonic() + timeout_s

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import zmq
 from kvindex.indexer.events import PodRef
@@ -19,7 +20,7 @@ from kvindex.indexer.ingest.heap import HeapRelease
 from kvindex.indexer.ingest.intake import Intake
 from kvindex.indexer.ingest.pod_queues import PodQueues
 from kvindex.indexer.ingest.settings import DEFAULT_SETTINGS, IngestSettings
-from kvindex.indexer.ingest.streams import ControlItem, Stream, StreamTable, WorkItem
+from kvindex.indexer.ingest.streams import ControlItem, ReplayDone, Stream, StreamTable, WorkItem
 from kvindex.indexer.ingest.worker import StreamWorker
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
@@ -33,12 +34,16 @@ from kvindex.indexer.status import (
     IngestCounters,
     PodStatus,
 )
+from kvindex.replay.replay_client import ReplayResult
+from kvindex.replay.replay_fetcher import ReplayFetcher
 from kvindex.replay.subscriber import Subscriber
 
 log = logging.getLogger("kvindex.indexer.ingest")
 
 _LISTEN_SOURCE = "listen"
 _WATCH_INTERVAL_S = 0.1
+# The longest wait between two checks of a stream whose replay socket does not answer.
+_MAX_CHECK_INTERVAL_S = 60.0
 
 
 class IngestService:
@@ -96,6 +101,12 @@ class IngestService:
             queue_size=settings.queue_size,
             max_batch=settings.max_batch,
         )
+        self._fetcher = ReplayFetcher(
+            self._on_replay_result,
+            ctx=self._ctx,
+            timeout_s=settings.replay_timeout_s,
+            max_in_flight=settings.max_concurrent_replays,
+        )
         self._worker = StreamWorker(
             settings,
             self._streams,
@@ -105,6 +116,7 @@ class IngestService:
             self._listen_sources,
             self._heap,
             self._queues.depth,
+            self._fetcher,
         )
         self._intake = Intake(settings, self._streams, self.models.names(), self._queues, self._counters)
         self._subscriber = Subscriber(
@@ -131,6 +143,7 @@ class IngestService:
         for idx, endpoint in enumerate(self.listen):
             source_id = f"{_LISTEN_SOURCE}:{idx}"
             self._listen_sources[source_id] = self._subscriber.add_bind(source_id, endpoint)
+        self._fetcher.start()
         self._queues.start()
         for stream in self._streams.by_source.values():
             self._intake.submit(stream.ref.pod_id, ControlItem("join", stream.ref))
@@ -138,18 +151,25 @@ class IngestService:
         self._watch_thread = threading.Thread(target=self._watch, name="kvindex-ingest-watch", daemon=True)
         self._watch_thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Close subscriptions and stop workers; idempotent."""
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Close subscriptions, abandon queued work and outstanding replays, and join every thread within
+        `timeout_s` in all; idempotent."""
         if self._state == "stopped":
             return
         was_running = self._state == "running"
         self._state = "stopped"
         self._stop_event.set()
-        subscriber_stopped = self._subscriber.stop(timeout_s)
-        workers_stopped = self._queues.stop(timeout_s) if was_running else True
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        subscriber_stopped = self._subscriber.stop(left())
+        fetcher_stopped = self._fetcher.stop(left())
+        workers_stopped = self._queues.stop(left()) if was_running else True
         if self._watch_thread is not None:
-            self._watch_thread.join(timeout_s)
-        if subscriber_stopped and workers_stopped:
+            self._watch_thread.join(left())
+        if subscriber_stopped and fetcher_stopped and workers_stopped:
             self._ctx.destroy(linger=0)
         else:
             log.warning("ingest threads did not stop within %.1f s; leaving the ZMQ context open", timeout_s)
@@ -231,15 +251,35 @@ class IngestService:
     def _handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
         self._worker.handle_many(entries)
 
+    def _on_replay_result(self, key: Hashable, result: ReplayResult) -> None:
+        """On the fetcher's thread: the answer joins the pod's ordered queue (past its bound: the stream
+        waits for it)."""
+        ref, token = cast(tuple[PodRef, int], key)
+        self._queues.submit(ref.pod_id, ReplayDone(ref, token, result), force=True)
+
     def _watch(self) -> None:
-        """Quiet probes (a pod that went quiet after activity may have lost its last message) and the
-        idle heap release."""
+        """Probes and the idle heap release. A stream is probed once it has been quiet for
+        `quiet_probe_after_s` after activity or after its connection (its last message may be lost, or
+        it published before we were subscribed), and again with a doubling interval while a check could
+        not be made (`needs_check`: its replay socket did not answer)."""
         quiet_s = self.settings.quiet_probe_after_s
         while not self._stop_event.wait(min(_WATCH_INTERVAL_S, quiet_s / 4)):
             self._heap.tick(idle=not self._queues.depth())
             now = time.monotonic()
             for stream in self._streams.all():
-                last = stream.last_live_at
-                if stream.active_since_probe and last is not None and now - last >= quiet_s:
+                tracker = stream.tracker
+                if tracker.awaiting is not None:
+                    continue
+                heard = stream.last_live_at if stream.last_live_at is not None else stream.connected_at
+                if stream.active_since_probe and heard is not None and now - heard >= quiet_s:
                     stream.active_since_probe = False
-                    self._intake.submit(stream.ref.pod_id, ControlItem("probe", stream.ref))
+                    self._probe(stream)
+                elif tracker.needs_check and now >= stream.next_check_at:
+                    stream.check_interval_s = min(
+                        _MAX_CHECK_INTERVAL_S, max(quiet_s, 2 * stream.check_interval_s)
+                    )
+                    stream.next_check_at = now + stream.check_interval_s
+                    self._probe(stream)
+
+    def _probe(self, stream: Stream) -> None:
+        self._intake.submit(stream.ref.pod_id, ControlItem("probe", stream.ref), force=True)

@@ -16,13 +16,12 @@ class IngestSettings(msgspec.Struct, frozen=True):
     engine's own `replay_endpoint`. Example: `tcp://{pod}:5558` reaches pod `engine-3` rank 1 at
     `tcp://engine-3:5559`. None: bind-mode pods have no replay (gaps are then lost history).
 
-    Replays run on the pod's worker, bounded by `replay_timeout_s`: a slow replay delays the other pods
-    that share that worker (a hash of the pod id modulo `num_workers`).
+    Replays run concurrently on their own thread; a pod's live messages wait in its tracker meanwhile,
+    and no other pod waits.
     """
 
     # Per-pod ordered workers; a pod always maps to one. One by default: under the GIL more workers did
     # not ingest faster per CPU-second but kept the GIL busier, and lookups during ingest got slower.
-    # Raise it when replays can be slow: a replay (<= replay_timeout_s) delays every pod on its worker.
     num_workers: int = 1
     queue_size: int = 10_000  # messages per worker queue; overflow becomes a gap repaired by replay
     # A full queue holds the poller up to this long (messages wait in ZMQ's buffers meanwhile) before a
@@ -31,7 +30,16 @@ class IngestSettings(msgspec.Struct, frozen=True):
     max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
     quiet_probe_after_s: float = 5.0  # probe the replay socket when a pod went quiet after activity
+    # A replay request fails when no reply came for this long (an idle timeout: a large ring streamed at
+    # any pace completes); a failed request is retried after a doubling backoff from replay_retry_base_s
+    # up to replay_retry_max_s, MAX_REPLAY_ATTEMPTS times, and counted in replays{outcome} each time.
     replay_timeout_s: float = 2.0
+    replay_retry_base_s: float = 0.25
+    replay_retry_max_s: float = 5.0
+    # After a (re)connection, wait this long for the subscription to take effect before asking the ring.
+    reconnect_settle_s: float = 0.2
+    # Replay requests open at once (each a DEALER socket); more wait their turn.
+    max_concurrent_replays: int = 256
     hash_check_every: int = 64  # recompute hashes of 1 in N eligible BlockStored events
     index_shards: int = 1  # under the GIL more shards only add routing work (see KVIndex)
     index_max_keys: int = 50_000_000

@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 from kvindex.indexer.decode import DecodedBatch
 from kvindex.indexer.events import PodRef
+from kvindex.replay.replay_client import ReplayResult
 from kvindex.replay.sequence import SequenceTracker
 
 
@@ -31,7 +32,15 @@ class ControlItem(msgspec.Struct, frozen=True):
     ref: PodRef
 
 
-WorkItem = LiveItem | ControlItem
+class ReplayDone(msgspec.Struct, frozen=True):
+    """A replay's answer, from the replay fetcher's thread back onto the pod's ordered queue."""
+
+    ref: PodRef
+    token: int  # which request of the stream it answers (a newer request makes older answers stale)
+    result: ReplayResult
+
+
+WorkItem = LiveItem | ControlItem | ReplayDone
 
 # What the tracker carries per seq: the batch decoded without token ids and its payload (decoded again
 # in full only when the hash check samples it), or None when the payload could not be decoded (its seq
@@ -58,9 +67,18 @@ class Stream:
         self.ever_connected = False
         self.created_at = time.monotonic()
         self.last_live_at: float | None = None
+        self.connected_at: float | None = None
+        # Heard from (or connected) since the last probe: probe it once it has been quiet a while.
         self.active_since_probe = False
+        # While its checks go unanswered (tracker.needs_check): when to probe next, and the interval.
+        self.next_check_at = 0.0
+        self.check_interval_s = 0.0
         self.events_total = 0
         self.replays_total = 0
+        # The tracker's (gaps, duplicates, history_lost) already added to the process-wide counters.
+        self.counted = (0, 0, 0)
+        # The stream's outstanding replay request (answers carrying another token are stale).
+        self.replay_token = 0
         self.hash_mismatches_total = 0
         self.hash_mismatch = False
         self.logged: set[str] = set()

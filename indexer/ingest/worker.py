@@ -1,6 +1,10 @@
 """Write path, stages 3-6: one pod's work items, in order, on its worker thread. Decode -> sequence check
 (next -> apply; duplicate -> skip; gap -> replay from the pod's ROUTER; restart or lost history -> clear)
--> filter (non-prefix groups, block-size mismatch, sampled hash check) -> one `index.apply` per stream."""
+-> filter (non-prefix groups, block-size mismatch, sampled hash check) -> one `index.apply` per stream.
+
+Replays never run on the worker: a request goes to the replay fetcher (its own thread, every pod's
+requests at once) and its answer comes back through the pod's queue as a `ReplayDone`, in order with
+the pod's live messages, which the tracker holds meanwhile. One pod's slow replay stalls nobody."""
 
 from __future__ import annotations
 
@@ -29,12 +33,20 @@ from kvindex.indexer.hash_check import (
 from kvindex.indexer.ingest.counters import Counters
 from kvindex.indexer.ingest.heap import HeapRelease
 from kvindex.indexer.ingest.settings import IngestSettings
-from kvindex.indexer.ingest.streams import ControlItem, LiveItem, Stream, StreamTable, TrackedBatch, WorkItem
+from kvindex.indexer.ingest.streams import (
+    ControlItem,
+    LiveItem,
+    ReplayDone,
+    Stream,
+    StreamTable,
+    TrackedBatch,
+    WorkItem,
+)
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
 from kvindex.replay.endpoints import offset_endpoint_port
-from kvindex.replay.replay_client import replay_from
-from kvindex.replay.sequence import Action, Apply, ClearPod, FetchReplay, ReplayedItem
+from kvindex.replay.replay_fetcher import ReplayFetcher
+from kvindex.replay.sequence import MAX_REPLAY_ATTEMPTS, Action, Apply, ClearPod, FetchReplay, ReplayedItem
 
 log = logging.getLogger("kvindex.indexer.ingest")
 
@@ -71,6 +83,7 @@ class StreamWorker:
         listen_sources: dict[str, str],
         heap: HeapRelease,
         queue_depth: Callable[[], int],
+        fetcher: ReplayFetcher,
     ) -> None:
         self._settings = settings
         self._streams = streams
@@ -81,6 +94,7 @@ class StreamWorker:
         self._listen_sources = listen_sources
         self._heap = heap
         self._queue_depth = queue_depth
+        self._fetcher = fetcher
         self._sampler = HashCheckSampler(settings.hash_check_every)
 
     def handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
@@ -93,6 +107,8 @@ class StreamWorker:
                 try:
                     if type(item) is LiveItem:
                         self._handle_live(pod_id, item, acc)
+                    elif type(item) is ReplayDone:
+                        self._handle_replay_done(item, acc)
                     elif type(item) is ControlItem:
                         self._handle_control(item, acc)
                 except Exception:
@@ -114,6 +130,8 @@ class StreamWorker:
             self._apply(stream, actions[0].seq, actions[0].item, acc)
         elif actions:
             self._perform(stream, actions, acc)
+        else:
+            self._sync_counts(stream)  # a duplicate, or held while a replay is out
 
     def _handle_control(self, item: ControlItem, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)
@@ -124,7 +142,61 @@ class StreamWorker:
         elif item.kind == "probe":
             self._perform(stream, stream.tracker.begin_probe(), acc)
         elif item.kind == "reconnect":
-            stream.tracker.on_reconnect()
+            # Asked once the new connection's subscription has had time to take effect, so the ring's
+            # answer and the live stream overlap instead of leaving a hole between them.
+            self._perform(
+                stream, stream.tracker.on_reconnect(), acc, delay_s=self._settings.reconnect_settle_s
+            )
+
+    def _handle_replay_done(self, item: ReplayDone, acc: _Accumulator) -> None:
+        stream = self._streams.get(item.ref)
+        if stream is None or item.token != stream.replay_token or stream.tracker.awaiting is None:
+            return  # the answer to a request the stream no longer waits for
+        request = stream.tracker.awaiting
+        result = item.result
+        pod = stream.ref
+        for reason, n in result.bad_frames.items():
+            self._counters.add_to("dropped", f"replay_{reason}", n)
+        if result.error is not None:
+            outcome = "error"
+        elif not result.complete:
+            outcome = "timeout"
+        elif result.history_lost and request.purpose != "join":
+            outcome = "history_lost"
+        else:
+            outcome = "ok"
+        self._counters.add_to("replays", outcome)
+        if result.complete:
+            log.info(
+                "pod %s rank %d: %s replay from seq %d -> %d batches (%s)",
+                pod.pod_id,
+                pod.dp_rank,
+                request.purpose,
+                request.start_seq,
+                len(result.messages),
+                outcome,
+            )
+        elif request.attempt + 1 >= MAX_REPLAY_ATTEMPTS:
+            self._counters.add_to("replays", "gave_up")
+            log.warning(
+                "pod %s rank %d: %s replay from seq %d unanswered after %d attempts (%s); going on with "
+                "what arrived live, will check again",
+                pod.pod_id,
+                pod.dp_rank,
+                request.purpose,
+                request.start_seq,
+                request.attempt + 1,
+                result.error or "timeout",
+            )
+        replayed = (
+            [
+                ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), _digest(m.payload))
+                for m in result.messages
+            ]
+            if result.complete
+            else []
+        )
+        self._perform(stream, stream.tracker.on_replay(replayed, result.complete), acc)
 
     def _bind_stream(self, pod_id: str, model: str, decoded: TrackedBatch, source_id: str) -> Stream:
         rank = decoded[0].batch.dp_rank if decoded is not None and decoded[0].batch.dp_rank is not None else 0
@@ -160,19 +232,30 @@ class StreamWorker:
                 self._counters.add_to("dropped", reason, n)
         return decoded, payload
 
-    def _perform(self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator) -> None:
-        tracker = stream.tracker
-        before = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
-        self._run_actions(stream, actions, acc)
+    def _perform(
+        self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator, *, delay_s: float = 0.0
+    ) -> None:
+        self._run_actions(stream, actions, acc, delay_s)
         # Off the common path (a join, replay, clear or skip): bring the index level with the tracker's
         # state now rather than at the end of the drain, so a status read sees both agree.
         self._flush(stream, acc)
-        after = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
-        for name, old, new in zip(("gaps", "duplicates", "history_lost"), before, after, strict=True):
-            if new != old:
-                self._counters.add(name, new - old)
+        self._sync_counts(stream)
 
-    def _run_actions(self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator) -> None:
+    def _sync_counts(self, stream: Stream) -> None:
+        """Add what the stream's tracker counted since the last sync to the process-wide counters."""
+        tracker = stream.tracker
+        now = (tracker.num_gaps, tracker.num_duplicates, tracker.num_history_lost)
+        if now != stream.counted:
+            for name, old, new in zip(
+                ("gaps", "duplicates", "history_lost"), stream.counted, now, strict=True
+            ):
+                if new != old:
+                    self._counters.add(name, new - old)
+            stream.counted = now
+
+    def _run_actions(
+        self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator, delay_s: float
+    ) -> None:
         while actions:
             next_actions: list[Action[TrackedBatch]] = []
             for action in actions:
@@ -183,10 +266,14 @@ class StreamWorker:
                     self._clear(stream, action)
                 elif isinstance(action, FetchReplay):
                     self._flush(stream, acc)  # what we have is indexed while the replay runs
-                    next_actions = self._replay(stream, action)
+                    next_actions = self._request_replay(stream, action, delay_s)
             actions = next_actions
 
-    def _replay(self, stream: Stream, request: FetchReplay) -> list[Action[TrackedBatch]]:
+    def _request_replay(
+        self, stream: Stream, request: FetchReplay, delay_s: float
+    ) -> list[Action[TrackedBatch]]:
+        """Hand the request to the fetcher (its answer returns as a ReplayDone); a retry waits a capped,
+        doubling backoff. Without a replay endpoint the tracker goes on with what it has, at once."""
         pod = stream.ref
         if stream.replay_endpoint is None:
             self._counters.add_to("replays", "unavailable")
@@ -194,45 +281,19 @@ class StreamWorker:
                 self._counters.log_once(
                     f"noreplay:{pod}", "pod %s rank %d: gap but no replay endpoint", pod.pod_id, pod.dp_rank
                 )
-            return stream.tracker.on_replay([], False)
+            return stream.tracker.on_replay_unavailable()
+        if request.attempt:
+            settings = self._settings
+            delay_s = max(
+                delay_s,
+                min(settings.replay_retry_max_s, settings.replay_retry_base_s * 2 ** (request.attempt - 1)),
+            )
         stream.replays_total += 1
-        try:
-            result = replay_from(
-                stream.replay_endpoint,
-                request.start_seq,
-                timeout_s=self._settings.replay_timeout_s,
-                ctx=self._ctx,
-            )
-        except zmq.ZMQError as exc:
-            self._counters.add_to("replays", "error")
-            log.warning(
-                "pod %s rank %d: replay from seq %d failed: %s",
-                pod.pod_id,
-                pod.dp_rank,
-                request.start_seq,
-                exc,
-            )
-            return stream.tracker.on_replay([], False)
-        for reason, n in result.bad_frames.items():
-            self._counters.add_to("dropped", f"replay_{reason}", n)
-        outcome = "ok" if result.complete else "timeout"
-        if result.history_lost and request.purpose != "join":
-            outcome = "history_lost"
-        self._counters.add_to("replays", outcome)
-        log.info(
-            "pod %s rank %d: %s replay from seq %d -> %d batches (%s)",
-            pod.pod_id,
-            pod.dp_rank,
-            request.purpose,
-            request.start_seq,
-            len(result.messages),
-            outcome,
+        stream.replay_token += 1
+        self._fetcher.request(
+            (pod, stream.replay_token), stream.replay_endpoint, request.start_seq, delay_s=delay_s
         )
-        replayed = [
-            ReplayedItem(m.seq, self._decode(pod.pod_id, m.seq, m.payload), _digest(m.payload))
-            for m in result.messages
-        ]
-        return stream.tracker.on_replay(replayed, result.complete)
+        return []
 
     def _clear(self, stream: Stream, action: ClearPod) -> None:
         pod = stream.ref
@@ -242,6 +303,14 @@ class StreamWorker:
             stream.hash_mismatch = False  # a new engine process may run with new settings
             log.warning(
                 "pod %s rank %d: engine restarted; dropped its %d entries", pod.pod_id, pod.dp_rank, cleared
+            )
+        elif action.reason == "resync":
+            log.info(
+                "pod %s rank %d: the replay ring holds the whole history again; rebuilt from it (%d entries "
+                "replaced)",
+                pod.pod_id,
+                pod.dp_rank,
+                cleared,
             )
         else:
             log.warning(

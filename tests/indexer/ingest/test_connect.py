@@ -4,11 +4,13 @@ ends with the index equal to what the engines hold (the reference), or the pod f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 import zmq
-from ingest_support import Engine, SilentReplay, index_matches, indexed_keys, wait_for
+from ingest_support import Engine, index_matches, indexed_keys, wait_for
+from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.status import PodStatus
@@ -74,29 +76,40 @@ def test_late_join_then_live_stream_matches_the_engines(engines: list[Engine]) -
     service.stop()  # idempotent
 
 
+@contextlib.contextmanager
+def index_stalled(index: KVIndex) -> Iterator[None]:
+    """Hold every shard lock of the index: a worker that reaches `apply` waits there, deterministically
+    (what a stalled indexer looks like to its queues)."""
+    locks = [shard.lock for shard in index._shards]
+    for lock in locks:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
+
+
 @pytest.mark.parametrize(("buffer_steps", "expect_state"), [(10_000, "live"), (3, "resyncing")])
 def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
     engines: list[Engine], buffer_steps: int, expect_state: str
 ) -> None:
-    """One worker, kept busy by another pod's unanswered replay: the pod's queue overflows for certain."""
-    blocker = SilentReplay()
+    """One worker, stalled inside the index: the pod's queue overflows for certain."""
     engine = Engine("pod-a", buffer_steps=buffer_steps)
-    busy = Engine("pod-busy", replay_endpoint=None)
-    engines += [engine, busy]
-    pods = [pod_config(engine), PodConfig("pod-busy", busy.endpoint, "m", replay_endpoint=blocker.endpoint)]
+    engines.append(engine)
     settings = IngestSettings(
         num_workers=1, queue_size=4, queue_full_wait_s=0.0, quiet_probe_after_s=0.3, replay_timeout_s=30.0
     )
-    service = IngestService([MODEL], pods, settings=settings)
+    service = IngestService([MODEL], [pod_config(engine)], settings=settings)
     service.start()
     try:
-        blocker.wait_request()  # the single worker is now inside pod-busy's join replay
-        wait_for(lambda: status_of(service, engine).state != "disconnected", what="pod-a connected")
-        for _ in range(30):
-            engine.store()
-        engine.flush()
-        wait_for(lambda: service.counters().dropped.get("queue_full", 0) >= 20, what="queue overflow")
-        blocker.release()
+        wait_for(lambda: status_of(service, engine).state == "live", what="pod-a live")
+        index = service.model("m").index  # type: ignore[union-attr]
+        with index_stalled(index):
+            for _ in range(30):
+                engine.store()
+            engine.flush()
+            wait_for(lambda: service.counters().dropped.get("queue_full", 0) >= 20, what="queue overflow")
         index = service.model("m").index  # type: ignore[union-attr]
         if expect_state == "live":
             wait_for(lambda: index_matches(index, [engine]), what="lost batches replayed")
@@ -114,7 +127,6 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
             assert status_of(service, engine).state == "live"  # whole again after AllBlocksCleared
     finally:
         service.stop()
-        blocker.close()
 
 
 def test_engine_restart_drops_the_old_entries(engines: list[Engine]) -> None:
