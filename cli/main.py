@@ -20,7 +20,10 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvindex.cli.cmd_serve", "the indexer service"),
-    "sim": ("kvindex.cli.cmd_sim", "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)"),
+    "sim": (
+        "kvindex.cli.cmd_sim",
+        "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)",
+    ),
     "demo": ("kvindex.cli.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
     "hash": ("kvindex.cli.cmd_hash", "vLLM block hashes for a token sequence"),
     "compat": ("kvindex.cli.cmd_compat", "hash-compatibility harness"),

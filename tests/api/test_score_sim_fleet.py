@@ -94,7 +94,9 @@ def _engine_run(engine: SimEngine, event_hashes: list[int]) -> int:
 
 async def _score(url: str, token_ids: list[int]) -> dict[str, object]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.post(url + "/v1/score", json={"model": MODEL.name, "token_ids": token_ids}) as resp:
+        async with session.post(
+            url + "/v1/score", json={"model": MODEL.name, "token_ids": token_ids}
+        ) as resp:
             assert resp.status == 200, await resp.text()
             body: dict[str, object] = await resp.json()
             return body
