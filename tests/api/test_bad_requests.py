@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
+from api_harness import ServerThread, start_service, wait_until_ingested
+from engines import Engine
 from kvindex.api.settings import ApiSettings
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.ingest import IngestService
@@ -28,7 +29,7 @@ GOOD_TOKENS = list(range(100, 100 + 64))
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
-    engine = new_engine("pod-a", "m")
+    engine = Engine("pod-a", model="m")
     service = start_service(MODELS, [engine])
     settings = ApiSettings(host="127.0.0.1", port=0, max_body_bytes=BODY_LIMIT, max_tokens=TOKEN_LIMIT)
     server = ServerThread(service, settings).start()
@@ -40,7 +41,7 @@ def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
     finally:
         server.stop()
         service.stop()
-        engine.publisher.close()
+        engine.close()
 
 
 def j(value: Any) -> bytes:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from kvindex.indexer.ingest.pod_queues import PodQueues, fnv1a_32, worker_for
+from waiting import wait_for
 
 
 @pytest.mark.parametrize(
@@ -26,13 +26,6 @@ def test_a_pod_always_maps_to_one_worker_and_pods_spread() -> None:
     assert worker_for("foobar", 7) == 0xBF9CF968 % 7
     workers = {worker_for(f"pod-{i}", 4) for i in range(100)}
     assert workers == {0, 1, 2, 3}
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.005)  # ok
 
 
 def test_each_pods_items_are_handled_in_order_by_one_thread() -> None:
