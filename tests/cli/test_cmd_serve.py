@@ -89,8 +89,9 @@ def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     stream = proc.stderr
 
     def pump() -> None:
-        for text in stream:
-            lines.put(text)
+        with stream:  # closed at the end of stream, which comes once the process has exited
+            for text in stream:
+                lines.put(text)
         lines.put("")  # end of stream
 
     threading.Thread(target=pump, name="serve-stderr", daemon=True).start()
@@ -152,3 +153,5 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()  # stderr is closed by its reader (stderr_lines)
