@@ -196,15 +196,15 @@ def module_state(tree: ast.Module) -> Iterator[tuple[int, str, str]]:
     """(line, name, how) for state a module keeps: a name rebound through `global`, or a module-level
     container the module itself changes. A container only read (a table, a shared empty default) is not."""
     containers: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and _is_container(node.value):
-            containers.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and _is_container(statement.value):
+            containers.update(t.id for t in statement.targets if isinstance(t, ast.Name))
         elif (
-            isinstance(node, ast.AnnAssign)
-            and _is_container(node.value)
-            and isinstance(node.target, ast.Name)
+            isinstance(statement, ast.AnnAssign)
+            and _is_container(statement.value)
+            and isinstance(statement.target, ast.Name)
         ):
-            containers.add(node.target.id)
+            containers.add(statement.target.id)
     for node in ast.walk(tree):
         if isinstance(node, ast.Global):
             for name in node.names:
