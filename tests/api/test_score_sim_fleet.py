@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from api_harness import TEST_INGEST, ServerThread, wait_for
+from api_harness import TEST_INGEST, ServerThread
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.sim.engine import SimEngine, SimEngineConfig
+from waiting import wait_for
 
 BLOCK_SIZE = 16
 MODEL = ModelConfig(name="sim-model", block_size=BLOCK_SIZE, hash_algo="sha256", hash_seed="0")
