@@ -137,7 +137,9 @@ class DynamoIndexer(ManagedProcess):
         env = dict(os.environ, RUST_LOG=os.environ.get("DYN_LOG", "warn"))
         self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
-            await_condition(self._listeners_active, self.startup_timeout_s, "Dynamo's HTTP server and listeners")
+            await_condition(
+                self._listeners_active, self.startup_timeout_s, "Dynamo's HTTP server and listeners"
+            )
         except BaseException:
             self.stop()
             raise
@@ -221,7 +223,9 @@ class DynamoIndexer(ManagedProcess):
 
     def wait_for_events(self, num_events: int, timeout_s: float = 120.0) -> None:
         """Block until `num_events` KV events (all types) have been applied."""
-        await_condition(lambda: sum(self.events_applied().values()) >= num_events, timeout_s, f"{num_events} events")
+        await_condition(
+            lambda: sum(self.events_applied().values()) >= num_events, timeout_s, f"{num_events} events"
+        )
 
 
 # --- standalone check and measurement ----------------------------------------------------------

@@ -12,7 +12,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvindex.cli.main import CliError
 from kvindex.demo.policies import POLICY_NAMES
@@ -118,7 +118,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _json_result(
     results: Sequence[PolicyResult], options: DemoOptions, block_size: int, ideal: float
-) -> dict[str, Any]:
+) -> dict[str, object]:
     return {
         "pods": options.num_pods,
         "capacity_blocks": options.capacity_blocks,

@@ -59,6 +59,8 @@ def parse_mm(spec: str) -> MMItem:
 
 
 def _read_tokens(args: argparse.Namespace) -> list[Any]:
+    # Any: a file's JSON values go to the hasher unchecked; BlockHasher rejects a non-integer with the
+    # same HashingError sentence as any other bad token id.
     if args.tokens is not None:
         text = args.tokens.strip()
         if not text:
@@ -88,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
     token_ids = _read_tokens(args)
     try:
         hasher = BlockHasher(algo=args.algo, block_size=args.block_size, seed=seed, memo_size=0)
-        keywords: dict[str, Any] = {
-            "lora_name": args.lora_name,
-            "lora_path": args.lora_path,
-            "cache_salt": args.cache_salt,
-            "mm": mm or None,
-        }
-        digests = hasher.block_hashes(token_ids, **keywords)
+        digests = hasher.block_hashes(
+            token_ids,
+            lora_name=args.lora_name,
+            lora_path=args.lora_path,
+            cache_salt=args.cache_salt,
+            mm=mm or None,
+        )
     except HashingError as exc:
         raise CliError(str(exc)) from None
     result = {

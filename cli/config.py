@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import msgspec
 from kvindex.api.settings import (
@@ -179,10 +179,26 @@ def parse_pod_flag(text: str) -> PodFlag:
     )
 
 
-def build_serve_config(args: Any, env: Mapping[str, str]) -> ServeConfig:
+class ServeArgs(Protocol):
+    """The flags `cmd_serve.configure` defines, as argparse leaves them: None when not given."""
+
+    config: str | None
+    http: str | None
+    pod: list[str] | None
+    listen: list[str] | None
+    listen_replay: str | None
+    model: str | None
+    block_size: int | None
+    hash_algo: str | None
+    hash_seed: str | None
+    switch_interval_ms: float | None
+    log_level: str | None
+
+
+def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     """Merge the TOML file named by `args.config` (if any) with the flags; flags win.
 
-    `args` carries the attributes `cmd_serve.configure` defines. `env` supplies PYTHONHASHSEED, the
+    `args` is the parsed `kvindex serve` command line (an argparse.Namespace). `env` supplies PYTHONHASHSEED, the
     default hash seed of every model whose seed is not given (unset -> vLLM's rule, None).
     """
     file = load_config_file(args.config) if args.config else _ConfigFile()
@@ -294,7 +310,7 @@ def _check_positive(name: str, value: int) -> None:
 
 
 def _merge_models(
-    sections: Sequence[_ModelSection], args: Any, env: Mapping[str, str]
+    sections: Sequence[_ModelSection], args: ServeArgs, env: Mapping[str, str]
 ) -> tuple[list[ModelConfig], dict[str, str]]:
     env_seed = env.get("PYTHONHASHSEED")
     by_name: dict[str, _ModelSection] = {}

@@ -11,20 +11,32 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 # kvindex.hashing.HASH_ALGOS, repeated so argument parsing need not import the hashing package (its
-# import builds lookup tables); tests/test_kvindex_cli.py checks the two agree.
+# import builds lookup tables); tests/cli/test_main.py checks the two agree.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvindex.cli.cmd_serve", "the indexer service"),
-    "sim": ("kvindex.cli.cmd_sim", "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)"),
+    "sim": (
+        "kvindex.cli.cmd_sim",
+        "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)",
+    ),
     "demo": ("kvindex.cli.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
     "hash": ("kvindex.cli.cmd_hash", "vLLM block hashes for a token sequence"),
     "compat": ("kvindex.cli.cmd_compat", "hash-compatibility harness"),
 }
+
+
+class Subcommand(Protocol):
+    """What a cli/cmd_<name>.py module provides."""
+
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
 
 
 class CliError(Exception):
@@ -39,12 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # subcommand not built yet
+        module: Subcommand = importlib.import_module(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         module.configure(sub)
         sub.set_defaults(_run=module.run)
@@ -55,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The `kvindex` entry point: the subcommand's exit code; no subcommand prints help, exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    run = getattr(args, "_run", None)
+    run: Callable[[argparse.Namespace], int] | None = getattr(args, "_run", None)
     if run is None:
         parser.print_help(sys.stderr)
         return 2

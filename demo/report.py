@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PolicyResult:
     def score_latency_ms(self, quantile: float) -> float | None:
         return percentile(self.score_latencies_ms, quantile)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         data = asdict(self)
         del data["score_latencies_ms"]
         p50 = self.score_latency_ms(0.50)

@@ -34,6 +34,7 @@ class BlockStored(KVCacheEvent, frozen=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # Any: msgspec passes each entry (nil or an array of msgpack values) through unchecked; convert freezes it.
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -133,10 +134,12 @@ EVENT_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 class BlockStoredTokensSkipped(BlockStored, frozen=True, tag="BlockStored"):
     """BlockStored for consumers that do not need token ids: they stay undecoded (most of the bytes)."""
 
+    # Decode-only: the field keeps its place and name on the wire, msgspec just leaves its bytes undecoded.
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
 class KVEventBatchTokensSkipped(KVEventBatch, frozen=True):
+    # Decode-only, so list invariance does not bite: nothing writes a WireEvent into this list.
     events: list[BlockStoredTokensSkipped | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
 
 

@@ -11,7 +11,6 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import zmq
@@ -156,18 +155,22 @@ class SimEngine:
 
         Raises BadRequest for invalid input or a request larger than the cache, leaving state untouched.
         """
-        _validate_prompt(token_ids)
+        return self._handle_unchecked(token_ids, max_tokens)
+
+    def _handle_unchecked(self, token_ids: object, max_tokens: object) -> CompletionResult:
+        # `handle_prompt` for values of any type (raw JSON on the HTTP path): every argument is checked here.
+        prompt = _checked_prompt(token_ids)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        output = synthetic_output_tokens(token_ids, max_tokens, self.config.vocab_size)
-        sequence = token_ids + output
+        output = synthetic_output_tokens(prompt, max_tokens, self.config.vocab_size)
+        sequence = prompt + output
         # The last sampled token never reaches the KV cache: hash only what is computed.
         block_hashes = self._hasher.block_hashes(sequence[:-1])
         with self._step_lock:
             request_id = f"cmpl-{self.config.pod_id}-{self._next_request}"
             self._next_request += 1
             try:
-                result = self._cache.run(request_id, sequence, block_hashes, num_prompt_tokens=len(token_ids))
+                result = self._cache.run(request_id, sequence, block_hashes, num_prompt_tokens=len(prompt))
             except CapacityError as exc:
                 raise BadRequest(f"prompt: {exc}") from exc
             num_events = self._publish_step()
@@ -273,24 +276,27 @@ class SimEngine:
         app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
         return app
 
-    async def run_step(self, token_ids: Any, max_tokens: Any) -> CompletionResult:
+    async def run_step(self, token_ids: object, max_tokens: object) -> CompletionResult:
         """`handle_prompt` off the event loop, one at a time per engine (the HTTP path; arguments are
         validated there, so raw JSON values may be passed)."""
         if self._http_lock is None:
             self._http_lock = asyncio.Lock()
         async with self._http_lock:
-            return await asyncio.to_thread(self.handle_prompt, token_ids, max_tokens)
+            return await asyncio.to_thread(self._handle_unchecked, token_ids, max_tokens)
 
 
 _ENGINE_KEY = web.AppKey("engine", SimEngine)
 
 
-def _validate_prompt(token_ids: Any) -> None:
+def _checked_prompt(token_ids: object) -> list[int]:
+    """`token_ids` itself once it is a non-empty list of token ids, else BadRequest."""
     if not isinstance(token_ids, list) or not token_ids:
         raise BadRequest("prompt must be a non-empty list of token ids")
-    for token_id in token_ids:
+    elements: list[object] = token_ids  # unchecked JSON values until the loop below has seen each
+    for token_id in elements:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_TOKEN_ID:
             raise BadRequest(f"prompt: token ids must be integers in [0, {MAX_TOKEN_ID}], got {token_id!r}")
+    return token_ids
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -315,7 +321,7 @@ async def _completions(request: web.Request) -> web.Response:
         result = await engine.run_step(body.get("prompt"), max_tokens)
     except BadRequest as exc:
         return _error(400, str(exc))
-    choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    choice: dict[str, object] = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
     if body.get("return_token_ids"):
         choice["token_ids"] = result.output_token_ids
     return web.json_response(

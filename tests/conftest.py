@@ -1,6 +1,9 @@
-"""Shared fixtures for every test: vLLM's recorded vectors and a private ZMQ context per test.
+"""Shared fixtures for every test: vLLM's recorded vectors, a private ZMQ context per test, and engines
+closed at teardown.
 
-This folder is on sys.path (pytest's rootdir conftest), so helper modules here import by name.
+This folder is on sys.path (pytest's rootdir conftest), so the helper modules beside this file import by
+name: `from waiting import wait_for` (the one deadline poll), `from engines import Engine` (an
+EventPublisher with a reference of what it holds), `from replay_support import ...` (vectors, frames).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from typing import Any
 
 import pytest
 import zmq
+from engines import Engine
 from replay_support import load_vectors
 
 
@@ -28,3 +32,12 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    """Append the engines a test makes; each is closed when the test ends, passed or failed."""
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()

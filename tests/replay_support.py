@@ -1,10 +1,9 @@
-"""Helpers for the replay tests: vLLM's recorded vectors, wire objects rebuilt from them, socket waits."""
+"""Helpers for the replay tests: vLLM's recorded vectors, wire objects rebuilt from them, socket receives
+under a timeout."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +52,6 @@ def recv_frames(sock: zmq.Socket[bytes], timeout_ms: int = RECV_TIMEOUT_MS) -> l
 
 def nothing_arrives(sock: zmq.Socket[bytes], timeout_ms: int) -> bool:
     return not sock.poll(timeout_ms, zmq.POLLIN)
-
-
-def await_condition(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)  # ok: polling a condition under a deadline
-    return condition()
 
 
 def hexes(frames: list[bytes]) -> list[str]:

@@ -1,121 +1,31 @@
-"""Shared parts of the API tests: simulated engine pods publishing real KV-event streams, a real
-IngestService subscribed to them, the real HTTP app on 127.0.0.1:0, and a brute-force reference of
-what each pod holds (written from the CONTRACT.md scoring rules, not from kvindex's scorer).
+"""Shared parts of the API tests: a real IngestService subscribed to engines.Engine streams, the real HTTP
+app on 127.0.0.1:0, and brute-force scores from what each engine holds (written from the CONTRACT.md
+scoring rules, not from kvindex's scorer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
+from engines import Engine
 from kvindex.api.app import create_app
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.ingest import IngestService, IngestSettings
-from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.replay.publisher import EventPublisher
-from kvindex.replay.wire import BlockRemoved, BlockStored
+from kvindex.indexer.model import ModelConfig
+from waiting import wait_for
 
 # Fast recovery when ZMQ's slow joiner drops the first live messages: probe replay quickly.
 TEST_INGEST = IngestSettings(num_workers=2, quiet_probe_after_s=0.3, replay_timeout_s=2.0, index_shards=4)
 
 
-def wait_for(predicate: Callable[[], bool], *, timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)  # ok: polling a condition with a deadline
-
-
-@dataclass
-class Engine:
-    """One simulated engine stream (pod, dp rank) and a reference copy of what it holds."""
-
-    pod_id: str
-    model: str
-    publisher: EventPublisher
-    dp_rank: int = 0
-    # reference model: block key -> tiers holding it
-    held: dict[int, set[str]] = field(default_factory=dict)
-
-    def store(
-        self,
-        block_keys: Sequence[int],
-        token_ids: Sequence[int],
-        *,
-        block_size: int,
-        parent: int | None = None,
-        tier: str = "GPU",
-        lora_name: str | None = None,
-        extra_keys: list[Any] | None = None,
-    ) -> None:
-        event = BlockStored(
-            block_hashes=list(block_keys),
-            parent_block_hash=parent,
-            token_ids=list(token_ids),
-            block_size=block_size,
-            lora_id=None,
-            medium=tier,
-            lora_name=lora_name,
-            extra_keys=extra_keys if extra_keys is not None else [None] * len(block_keys),
-            group_idx=0,
-        )
-        assert self.publisher.publish([event])
-        for key in block_keys:
-            self.held.setdefault(key, set()).add(tier)
-
-    def store_chain(
-        self,
-        all_keys: Sequence[int],
-        token_ids: Sequence[int],
-        *,
-        block_size: int,
-        start: int,
-        stop: int,
-        tier: str = "GPU",
-    ) -> None:
-        """Store blocks [start, stop) of a prompt whose chained keys are `all_keys`."""
-        self.store(
-            all_keys[start:stop],
-            token_ids[start * block_size : stop * block_size],
-            block_size=block_size,
-            parent=all_keys[start - 1] if start > 0 else None,
-            tier=tier,
-        )
-
-    def remove(self, block_keys: Iterable[int], *, tier: str = "GPU") -> None:
-        keys = list(block_keys)
-        assert self.publisher.publish([BlockRemoved(block_hashes=keys, medium=tier)])
-        for key in keys:
-            tiers = self.held.get(key, set())
-            tiers.discard(tier)
-            if not tiers:
-                self.held.pop(key, None)
-
-    def pod_config(self) -> PodConfig:
-        return PodConfig(
-            pod_id=self.pod_id,
-            endpoint=self.publisher.endpoint,
-            model=self.model,
-            replay_endpoint=self.publisher.replay_endpoint,
-            dp_rank=self.dp_rank,
-        )
-
-
-def new_engine(pod_id: str, model: str, *, dp_rank: int = 0) -> Engine:
-    publisher = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=dp_rank)
-    return Engine(pod_id=pod_id, model=model, publisher=publisher, dp_rank=dp_rank)
-
-
 def wait_until_ingested(service: IngestService, engines: Sequence[Engine], timeout_s: float = 15.0) -> None:
     """Every engine's last published seq has been applied by the service."""
     for engine in engines:
-        assert engine.publisher.flush(5.0)
+        engine.flush(5.0)
 
     def caught_up() -> bool:
         last_seq = {(s.pod, s.dp_rank): s.last_seq for s in service.pod_statuses()}

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-from api_harness import Engine, ServerThread, new_engine, start_service, wait_until_ingested
+from api_harness import ServerThread, start_service, wait_until_ingested
+from engines import Engine
 from kvindex.api.settings import ApiSettings
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.ingest import IngestService
@@ -28,7 +30,7 @@ GOOD_TOKENS = list(range(100, 100 + 64))
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
-    engine = new_engine("pod-a", "m")
+    engine = Engine("pod-a", model="m")
     service = start_service(MODELS, [engine])
     settings = ApiSettings(host="127.0.0.1", port=0, max_body_bytes=BODY_LIMIT, max_tokens=TOKEN_LIMIT)
     server = ServerThread(service, settings).start()
@@ -40,7 +42,7 @@ def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
     finally:
         server.stop()
         service.stop()
-        engine.publisher.close()
+        engine.close()
 
 
 def j(value: Any) -> bytes:
@@ -268,11 +270,32 @@ TEN_MB = 10 * 1024 * 1024
 
 
 async def post_oversized(url: str, size: int, *, expect100: bool) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        body = b'{"model": "m", "token_ids": [' + b"1," * (size // 2) + b"1]}"
-        headers = {"Content-Type": "application/json"}
-        async with session.post(url, data=body, headers=headers, expect100=expect100) as response:
-            return response.status, await response.json()
+    """POST a `size`-byte JSON body over a bare connection and read the answer; with `expect100` the body
+    waits for a 100 Continue (what curl does for big bodies). The connection is then dropped: a server
+    that refuses a body does not read it, so a graceful close would wait forever to flush the rest
+    (aiohttp's client leaves its transport unclosed that way)."""
+    body = b'{"model": "m", "token_ids": [' + b"1," * (size // 2) + b"1]}"
+    target = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(target.hostname, target.port)
+    try:
+        head = [f"POST {target.path} HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json"]
+        head += [f"Content-Length: {len(body)}"] + (["Expect: 100-continue"] if expect100 else [])
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+        if not expect100:
+            writer.write(body)
+        while True:
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if status != 100:
+                break
+            writer.write(body)  # told to go on
+        return status, json.loads(await reader.readexactly(int(headers["content-length"])))
+    finally:
+        writer.transport.abort()
+        await writer.wait_closed()
 
 
 @pytest.mark.parametrize("expect100", [False, True], ids=["plain", "expect-100-continue"])

@@ -10,15 +10,8 @@ from collections.abc import Iterator
 import aiohttp
 import msgspec
 import pytest
-from api_harness import (
-    TEST_INGEST,
-    Engine,
-    ServerThread,
-    new_engine,
-    start_service,
-    wait_for,
-    wait_until_ingested,
-)
+from api_harness import TEST_INGEST, ServerThread, start_service, wait_until_ingested
+from engines import Engine
 from kvindex.api.app import create_app
 from kvindex.api.metrics import COUNTER_METRICS, KNOWN_LABEL_VALUES, ingest_counter_families
 from kvindex.hashing import BlockHasher
@@ -26,6 +19,7 @@ from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.status import IngestCounters
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 MODEL = ModelConfig(name="m", block_size=16, hash_seed="0")
 PROMPT = list(range(7, 7 + 5 * 16))
@@ -33,7 +27,7 @@ PROMPT = list(range(7, 7 + 5 * 16))
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
-    engine = new_engine("pod-a", "m")
+    engine = Engine("pod-a", model="m")
     service = start_service([MODEL], [engine])
     server = ServerThread(service).start()
     try:
@@ -46,7 +40,7 @@ def served() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
     finally:
         server.stop()
         service.stop()
-        engine.publisher.close()
+        engine.close()
 
 
 async def fetch(method: str, url: str, json: object = None) -> tuple[int, str]:
@@ -180,10 +174,8 @@ def test_metric_names_follow_prometheus_conventions(
 
 
 def test_replay_unavailable_is_counted_for_a_stream_without_replay() -> None:
-    engine = new_engine("pod-noreplay", "m")
-    pod = PodConfig(
-        pod_id="pod-noreplay", endpoint=engine.publisher.endpoint, model="m", replay_endpoint=None
-    )
+    engine = Engine("pod-noreplay", model="m")
+    pod = PodConfig(pod_id="pod-noreplay", endpoint=engine.endpoint, model="m", replay_endpoint=None)
     service = IngestService([MODEL], [pod], settings=TEST_INGEST)
     service.start()
     server = ServerThread(service).start()
@@ -194,4 +186,4 @@ def test_replay_unavailable_is_counted_for_a_stream_without_replay() -> None:
     finally:
         server.stop()
         service.stop()
-        engine.publisher.close()
+        engine.close()

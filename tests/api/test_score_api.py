@@ -15,14 +15,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from api_harness import (
-    Engine,
-    ServerThread,
-    new_engine,
-    reference_scores,
-    start_service,
-    wait_until_ingested,
-)
+from api_harness import ServerThread, reference_scores, start_service, wait_until_ingested
+from engines import Engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvindex.api.schemas import JSON_ENCODER
@@ -73,10 +67,10 @@ class Fleet:
         self.keys_a = hasher.event_hashes(self.prompt_a)
         self.keys_b = hasher.event_hashes(self.prompt_b)
         self.engines = [
-            new_engine("pod-a", "m"),
-            new_engine("pod-b", "m"),
-            new_engine("pod-c", "m"),
-            new_engine("pod-c", "m", dp_rank=1),
+            Engine("pod-a", model="m"),
+            Engine("pod-b", model="m"),
+            Engine("pod-c", model="m"),
+            Engine("pod-c", model="m", dp_rank=1),
         ]
 
     def publish(self) -> None:
@@ -108,7 +102,7 @@ def fleet_server() -> Iterator[tuple[Fleet, IngestService, ServerThread]]:
         server.stop()
         service.stop()
         for engine in fleet.engines:
-            engine.publisher.close()
+            engine.close()
 
 
 def expected(fleet: Fleet, keys: list[int], pods: list[str] | None = None) -> list[dict[str, Any]]:
@@ -260,7 +254,7 @@ def vector_server() -> Iterator[tuple[dict[str, Engine], ServerThread]]:
         )
         for algo, seed, bs in VECTOR_MODELS
     ]
-    engines = {m.name: new_engine(f"pod-{m.name}", m.name) for m in models}
+    engines = {m.name: Engine(f"pod-{m.name}", model=m.name) for m in models}
     service = start_service(models, list(engines.values()))
     server = ServerThread(service).start()
     try:
@@ -282,7 +276,7 @@ def vector_server() -> Iterator[tuple[dict[str, Engine], ServerThread]]:
         server.stop()
         service.stop()
         for engine in engines.values():
-            engine.publisher.close()
+            engine.close()
 
 
 @pytest.mark.parametrize("case", EXTRA_KEY_CASES, ids=[c["id"] for c in EXTRA_KEY_CASES])

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from api_harness import TEST_INGEST, ServerThread, wait_for
+from api_harness import TEST_INGEST, ServerThread
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.sim.engine import SimEngine, SimEngineConfig
+from waiting import wait_for
 
 BLOCK_SIZE = 16
 MODEL = ModelConfig(name="sim-model", block_size=BLOCK_SIZE, hash_algo="sha256", hash_seed="0")
@@ -94,7 +95,9 @@ def _engine_run(engine: SimEngine, event_hashes: list[int]) -> int:
 
 async def _score(url: str, token_ids: list[int]) -> dict[str, object]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.post(url + "/v1/score", json={"model": MODEL.name, "token_ids": token_ids}) as resp:
+        async with session.post(
+            url + "/v1/score", json={"model": MODEL.name, "token_ids": token_ids}
+        ) as resp:
             assert resp.status == 200, await resp.text()
             body: dict[str, object] = await resp.json()
             return body

@@ -42,9 +42,7 @@ def test_cli_hash_algos_match_the_hashing_package() -> None:
 
 
 def test_no_subcommand_prints_help_and_exits_2() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvindex"], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-m", "kvindex"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.startswith("usage: kvindex")
     for name in cli.SUBCOMMANDS:

@@ -169,6 +169,7 @@ def main_publisher(ctx: Ctx, wire_frames: dict[str, Any]) -> Iterator[EventPubli
 
 
 def connect(ctx: Ctx, kind: int, endpoint: str | None) -> zmq.Socket[bytes]:
+    """A socket connected to `endpoint` with LINGER 0: use it in a `with` block so it is closed."""
     assert endpoint is not None
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -187,11 +188,11 @@ def test_dealer_replay_is_byte_identical_to_vllm(
     ctx: Ctx, main_publisher: EventPublisher, wire_frames: dict[str, Any]
 ) -> None:
     case = wire_frames["replay_dealer_from_seq2"]
-    dealer = connect(ctx, zmq.DEALER, main_publisher.replay_endpoint)
-    dealer.send_multipart([bytes.fromhex(frame) for frame in case["request_frames_sent_by_dealer_hex"]])
-    assert [hexes(reply) for reply in dealer_replies(dealer)] == [
-        r["frames_hex"] for r in case["reply_messages"]
-    ]
+    with connect(ctx, zmq.DEALER, main_publisher.replay_endpoint) as dealer:
+        dealer.send_multipart([bytes.fromhex(frame) for frame in case["request_frames_sent_by_dealer_hex"]])
+        assert [hexes(reply) for reply in dealer_replies(dealer)] == [
+            r["frames_hex"] for r in case["reply_messages"]
+        ]
 
 
 def test_req_sees_only_the_first_reply_like_vllm(
@@ -205,33 +206,36 @@ def test_req_sees_only_the_first_reply_like_vllm(
             case["second_request_reply_frames_hex"][0],
         ),
     ):
-        req = connect(ctx, zmq.REQ, main_publisher.replay_endpoint)
-        req.send_multipart([bytes.fromhex(frame) for frame in request_hex])
-        assert hexes(recv_frames(req)) == expected
-        req.close(linger=0)
+        with connect(ctx, zmq.REQ, main_publisher.replay_endpoint) as req:
+            req.send_multipart([bytes.fromhex(frame) for frame in request_hex])
+            assert hexes(recv_frames(req)) == expected
 
 
 def test_replay_beyond_newest_and_four_byte_seq(
     ctx: Ctx, main_publisher: EventPublisher, wire_frames: dict[str, Any]
 ) -> None:
-    dealer = connect(ctx, zmq.DEALER, main_publisher.replay_endpoint)
-    dealer.send_multipart([b"", (10_000).to_bytes(8, "big")])
-    assert [hexes(reply) for reply in dealer_replies(dealer)] == wire_frames["replay_dealer_from_seq10000"]
-    dealer.send_multipart([b"", bytes.fromhex("00000004")])
-    assert [hexes(reply) for reply in dealer_replies(dealer)] == wire_frames["replay_dealer_4byte_start_seq4"]
+    with connect(ctx, zmq.DEALER, main_publisher.replay_endpoint) as dealer:
+        dealer.send_multipart([b"", (10_000).to_bytes(8, "big")])
+        assert [hexes(reply) for reply in dealer_replies(dealer)] == wire_frames[
+            "replay_dealer_from_seq10000"
+        ]
+        dealer.send_multipart([b"", bytes.fromhex("00000004")])
+        assert [hexes(reply) for reply in dealer_replies(dealer)] == wire_frames[
+            "replay_dealer_4byte_start_seq4"
+        ]
 
 
 def test_malformed_request_gets_no_reply_and_the_next_one_works(
     ctx: Ctx, main_publisher: EventPublisher
 ) -> None:
-    dealer = connect(ctx, zmq.DEALER, main_publisher.replay_endpoint)
-    dealer.send_multipart([(0).to_bytes(8, "big")])  # no delimiter: vLLM ignores it
-    dealer.send_multipart([b"", b"", b"", b""])  # too many frames
-    dealer.send_multipart([b"", (3).to_bytes(8, "big")])
-    replies = dealer_replies(dealer)
-    assert [int.from_bytes(reply[2], "big") for reply in replies] == [3, 4, 2**64 - 1]
-    assert main_publisher.bad_replay_requests_count == 2
-    assert nothing_arrives(dealer, 200)
+    with connect(ctx, zmq.DEALER, main_publisher.replay_endpoint) as dealer:
+        dealer.send_multipart([(0).to_bytes(8, "big")])  # no delimiter: vLLM ignores it
+        dealer.send_multipart([b"", b"", b"", b""])  # too many frames
+        dealer.send_multipart([b"", (3).to_bytes(8, "big")])
+        replies = dealer_replies(dealer)
+        assert [int.from_bytes(reply[2], "big") for reply in replies] == [3, 4, 2**64 - 1]
+        assert main_publisher.bad_replay_requests_count == 2
+        assert nothing_arrives(dealer, 200)
 
 
 def test_ring_overflow_replays_from_the_oldest_batch_like_vllm(ctx: Ctx, wire_frames: dict[str, Any]) -> None:
@@ -242,9 +246,9 @@ def test_ring_overflow_replays_from_the_oldest_batch_like_vllm(ctx: Ctx, wire_fr
     ) as publisher:
         publish_all(batches)(publisher)
         assert publisher.flush(5.0) and publisher.last_seq == case["published_seqs"][-1]
-        dealer = connect(ctx, zmq.DEALER, publisher.replay_endpoint)
-        dealer.send_multipart([b"", case["replay_request_from_seq"].to_bytes(8, "big")])
-        assert [hexes(reply) for reply in dealer_replies(dealer)] == case["replay_reply_frames_hex"]
+        with connect(ctx, zmq.DEALER, publisher.replay_endpoint) as dealer:
+            dealer.send_multipart([b"", case["replay_request_from_seq"].to_bytes(8, "big")])
+            assert [hexes(reply) for reply in dealer_replies(dealer)] == case["replay_reply_frames_hex"]
     overflow_live = capture_live(
         ctx,
         lambda port: EventPublisher(f"tcp://127.0.0.1:{port}", buffer_steps=3, ctx=ctx),
@@ -265,9 +269,9 @@ def test_ephemeral_endpoints_resolve_to_the_bound_port(ctx: Ctx, endpoint: str) 
             port = int(resolved.rsplit(":", 1)[1])
             assert port > 0
         assert publisher.publish([], ts=1.0) and publisher.flush(5.0)
-        dealer = connect(ctx, zmq.DEALER, publisher.replay_endpoint)
-        dealer.send_multipart([b"", bytes(8)])
-        assert [int.from_bytes(reply[2], "big") for reply in dealer_replies(dealer)] == [0, 2**64 - 1]
+        with connect(ctx, zmq.DEALER, publisher.replay_endpoint) as dealer:
+            dealer.send_multipart([b"", bytes(8)])
+            assert [int.from_bytes(reply[2], "big") for reply in dealer_replies(dealer)] == [0, 2**64 - 1]
 
 
 def test_close_is_idempotent_and_publish_after_close_raises(ctx: Ctx) -> None:

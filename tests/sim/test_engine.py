@@ -1,4 +1,4 @@
-"""SimEngine over real sockets: aiohttp client -> HTTP server, ZMQ SUB and DEALER on 127.0.0.1; `kvindex sim`.
+"""SimEngine over real sockets: aiohttp client -> HTTP server, ZMQ SUB and DEALER on 127.0.0.1.
 
 Expected hashes come from BlockHasher (itself checked against vLLM's vectors), expected hit lengths from
 vLLM's rules (hit capped at len(prompt) - 1 tokens, block aligned).
@@ -6,23 +6,13 @@ vLLM's rules (hit capped at len(prompt) - 1 tokens, block aligned).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import re
-import select
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import aiohttp
 import msgspec
-import pytest
 import zmq
-from kvindex.cli.cmd_sim import engine_configs
-from kvindex.cli.main import build_parser
 from kvindex.hashing import BlockHasher
 from kvindex.replay.wire import AllBlocksCleared, BlockStored, KVEventBatch
 from kvindex.sim.engine import SimEngine, SimEngineConfig
@@ -43,13 +33,6 @@ def _config(**overrides: object) -> SimEngineConfig:
     }
     settings.update(overrides)
     return SimEngineConfig(**settings)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def _recv(sock: zmq.Socket[bytes], timeout_s: float = TIMEOUT_S) -> list[bytes]:
@@ -114,14 +97,14 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_http_requests_publish_live_batches_and_replay_them(zmq_ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_http_requests_publish_live_batches_and_replay_them(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     hasher = BlockHasher(algo="sha256", block_size=4, seed="0")
     prompt = list(range(1, 11))
 
     async def scenario() -> None:
-        engine = SimEngine(_config(), zmq_ctx=zmq_ctx)
+        engine = SimEngine(_config(), zmq_ctx=ctx)
         await engine.start()
-        sub = zmq_ctx.socket(zmq.SUB)
+        sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         sub.connect(engine.pub_endpoint)
@@ -167,7 +150,7 @@ def test_http_requests_publish_live_batches_and_replay_them(zmq_ctx: zmq.Context
                 assert restored.parent_block_hash == expected_hashes[1]
                 live_payloads[seq] = payload
 
-                replayed = _replay_all(zmq_ctx, engine.replay_endpoint or "", 0)
+                replayed = _replay_all(ctx, engine.replay_endpoint or "", 0)
                 assert [int.from_bytes(s, "big") for _, s, _ in replayed] == list(range(last_warm_seq + 3))
                 assert {s: p for t, s, p in replayed if s in live_payloads} == live_payloads
                 assert all(t == TOPIC.encode() for t, _, _ in replayed)
@@ -192,9 +175,9 @@ def test_http_requests_publish_live_batches_and_replay_them(zmq_ctx: zmq.Context
     asyncio.run(scenario())
 
 
-def test_bad_requests_get_400_and_change_nothing(zmq_ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_bad_requests_get_400_and_change_nothing(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     async def scenario() -> None:
-        engine = SimEngine(_config(capacity_blocks=4), zmq_ctx=zmq_ctx)
+        engine = SimEngine(_config(capacity_blocks=4), zmq_ctx=ctx)
         await engine.start()
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as session:
@@ -225,11 +208,11 @@ def test_bad_requests_get_400_and_change_nothing(zmq_ctx: zmq.Context[zmq.Socket
 
 
 def test_direct_calls_without_http_and_two_engines_side_by_side(
-    zmq_ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     hasher = BlockHasher(algo="sha256_cbor", block_size=4, seed="42")
     engines = [
-        SimEngine(_config(pod_id=f"sim-{i}", hash_algo="sha256_cbor", hash_seed="42"), zmq_ctx=zmq_ctx)
+        SimEngine(_config(pod_id=f"sim-{i}", hash_algo="sha256_cbor", hash_seed="42"), zmq_ctx=ctx)
         for i in range(2)
     ]
     for engine in engines:
@@ -244,7 +227,7 @@ def test_direct_calls_without_http_and_two_engines_side_by_side(
         assert engines[0].handle_prompt(prompt, max_tokens=1).cached_tokens == 16
         assert engines[1].handle_prompt(prompt, max_tokens=1).cached_tokens == 0
         assert engines[0]._publisher is not None and engines[0]._publisher.flush(TIMEOUT_S)
-        replayed = _replay_all(zmq_ctx, engines[0].replay_endpoint or "", 0)
+        replayed = _replay_all(ctx, engines[0].replay_endpoint or "", 0)
         # The second request was a full hit of its 4 cacheable blocks: no event, no batch.
         assert [int.from_bytes(s, "big") for _, s, _ in replayed] == [0]
         (stored,) = DECODER.decode(replayed[0][2]).events
@@ -256,118 +239,17 @@ def test_direct_calls_without_http_and_two_engines_side_by_side(
             engine.close()
 
 
-# --- kvindex sim ------------------------------------------------------------------------------------
-
-
-def _kvindex(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvindex", *args]
-
-
-EPHEMERAL = ["--pub", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--http-port-base", "0"]
-
-
-def test_sim_help_explains_how_to_start_a_fleet() -> None:
-    done = subprocess.run(_kvindex("sim", "--help"), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "how to start a fleet" in done.stdout
-    assert "kvindex serve" in done.stdout and "--engines" in done.stdout
-
-
-def test_sim_drives_a_workload_and_exits() -> None:
-    done = subprocess.run(
-        _kvindex(
-            "sim", "--engines", "2", "--requests", "5", "--hash-seed", "0", "--block-size", "4", *EPHEMERAL
-        ),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
-    lines = done.stdout.splitlines()
-    assert [line.split()[0] for line in lines[:2]] == ["sim-0", "sim-1"]
-    assert "index them with: kvindex serve" in done.stdout and "--pod sim-1=tcp://127.0.0.1:" in done.stdout
-    requests = sum(int(line.split()[1]) for line in lines if line.startswith("sim-") and "http=" not in line)
-    assert requests == 5
-
-
-def test_sim_refuses_bad_flags_with_one_sentence() -> None:
-    done = subprocess.run(_kvindex("sim", "--engines", "0"), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip() == "kvindex sim: --engines must be at least 1"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    done = subprocess.run(
-        _kvindex("sim", "--hash-algo", "xxhash", *EPHEMERAL),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert done.returncode == 2 and "--hash-seed" in done.stderr and "Traceback" not in done.stderr
-
-
-def test_sim_stops_cleanly_on_sigterm() -> None:
-    process = subprocess.Popen(
-        _kvindex("sim", "--engines", "1", "--hash-seed", "0", *EPHEMERAL),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert process.stdout is not None
-        stdout_fd = process.stdout.fileno()
-        deadline = time.monotonic() + TIMEOUT_S * 3
-        seen = b""
-        while b"index them with" not in seen:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"kvindex sim did not come up: {seen!r}"
-            ready, _, _ = select.select([stdout_fd], [], [], remaining)
-            if ready:
-                chunk = os.read(stdout_fd, 65536)
-                assert chunk, f"kvindex sim exited early: {seen!r}"
-                seen += chunk
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=TIMEOUT_S * 3)
-        assert process.returncode == 0, stderr
-        assert b"Traceback" not in stderr
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=TIMEOUT_S)
-
-
-def _sim_args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["sim", *argv])
-
-
-def test_sim_endpoints_follow_bind_and_connect_modes() -> None:
-    bound = engine_configs(_sim_args("--engines", "3", "--hash-seed", "0", "--model", "m"))
-    assert [c.pub_endpoint for c in bound] == ["tcp://*:5557", "tcp://*:5558", "tcp://*:5559"]
-    assert [c.replay_endpoint for c in bound] == ["tcp://*:5600", "tcp://*:5601", "tcp://*:5602"]
-    assert [(c.pod_id, c.topic, c.http_port) for c in bound] == [
-        ("sim-0", "", 8200),
-        ("sim-1", "", 8201),
-        ("sim-2", "", 8202),
-    ]
-    # A host in --pub: every engine dials the same bound indexer, and names itself in the topic.
-    dialling = engine_configs(
-        _sim_args("--engines", "2", "--hash-seed", "0", "--model", "m", "--pub", "tcp://10.0.0.5:5557")
-    )
-    assert [c.pub_endpoint for c in dialling] == ["tcp://10.0.0.5:5557"] * 2
-    assert [c.topic for c in dialling] == ["kv@sim-0@m", "kv@sim-1@m"]
-    assert engine_configs(_sim_args("--replay", "none", "--hash-seed", "0"))[0].replay_endpoint is None
-
-
 def test_engine_dialling_a_bound_subscriber_publishes_under_its_topic(
-    zmq_ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    sub = zmq_ctx.socket(zmq.SUB)
+    sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     sub.bind("tcp://127.0.0.1:*")
     endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
 
     async def scenario() -> None:
-        engine = SimEngine(_config(pub_endpoint=endpoint), zmq_ctx=zmq_ctx)
+        engine = SimEngine(_config(pub_endpoint=endpoint), zmq_ctx=ctx)
         await engine.start()
         try:
             assert engine.pub_endpoint == endpoint

@@ -4,23 +4,14 @@ replay endpoint comes from the template (+ vLLM's DP port offset). Real EventPub
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
-import pytest
-from ingest_support import Engine, index_matches, wait_for
+from engines import Engine
+from ingest_support import index_matches, status_of
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig
-from kvindex.indexer.status import PodStatus
+from waiting import wait_for
 
 MODELS = [ModelConfig(name="m"), ModelConfig(name="org/model@v2")]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def free_port() -> int:
@@ -30,12 +21,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def status_of(service: IngestService, engine: Engine) -> PodStatus:
-    return next(
-        s for s in service.pod_statuses() if (s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank)
-    )
-
-
 def publish_until_seen(service: IngestService, engine: Engine) -> None:
     """Store until the service has seen the engine: a dialling PUB drops everything until our
     subscription reaches it, and a loaded machine can lose every batch published so far."""
@@ -43,7 +28,7 @@ def publish_until_seen(service: IngestService, engine: Engine) -> None:
     def seen() -> bool:
         if any((s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank) for s in service.pod_statuses()):
             return True
-        engine.store()
+        engine.store_prompt()
         engine.flush()
         return False
 
@@ -80,10 +65,10 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
         other = Engine("pod-b", endpoint=listen, replay_endpoint=None, topic="kv@pod-b@org/model@v2")
         engines += [rank0, rank1, other]
         for _ in range(10):  # the first ones are lost until each PUB has our subscription: replayed
-            rank0.store()
-            rank1.store()
-            rank1.store()
-            other.store()
+            rank0.store_prompt()
+            rank1.store_prompt()
+            rank1.store_prompt()
+            other.store_prompt()
         for engine in engines:
             engine.flush()
         publish_until_seen(service, rank0)
@@ -101,7 +86,7 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
         def pod_b_seen() -> bool:
             if any(s.pod == "pod-b" and s.model == "org/model@v2" for s in service.pod_statuses()):
                 return True
-            other.store()
+            other.store_prompt()
             other.flush()
             return False
 
@@ -109,7 +94,7 @@ def test_bind_mode_joins_keeps_dp_ranks_apart_and_survives_a_restart(engines: li
         wait_for(service.ready, what="ready")
 
         rank0.restart()
-        rank0.store()
+        rank0.store_prompt()
         rank0.flush()
         wait_for(lambda: index_matches(index_m, [rank0, rank1]), what="rank 0 restarted, rank 1 intact")
         assert status_of(service, rank0).restarts_total == 1
@@ -130,7 +115,7 @@ def test_unknown_model_in_topic_is_a_counted_drop(engines: list[Engine]) -> None
         engines.append(engine)
 
         def dropped() -> bool:
-            engine.store()  # keep publishing until our subscription has reached the PUB
+            engine.store_prompt()  # keep publishing until our subscription has reached the PUB
             engine.flush()
             return service.counters().dropped.get("unknown_model", 0) > 0
 
@@ -169,8 +154,8 @@ def test_several_listen_endpoints_take_dp_ranks_that_dial_offset_ports(engines: 
         )
         engines += [rank0, rank1]
         for _ in range(5):  # the first ones are lost until each PUB has our subscription: replayed
-            rank0.store()
-            rank1.store()
+            rank0.store_prompt()
+            rank1.store_prompt()
         for engine in engines:
             engine.flush()
         publish_until_seen(service, rank0)

@@ -9,58 +9,35 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from ingest_support import Engine, index_matches, indexed_keys, wait_for
+from engines import Engine
+from ingest_support import index_matches, indexed_keys, status_of
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.status import PodStatus
 from kvindex.replay.frames import parse_replay_request, replay_end_frames, replay_reply_frames
 from kvindex.replay.publisher import encode_batch
 from kvindex.replay.wire import BlockStored, KVEventBatch
+from waiting import wait_for
 
 MODEL = ModelConfig(name="m")
 FAST = IngestSettings(num_workers=2, quiet_probe_after_s=0.3, replay_timeout_s=5.0, hash_check_every=1)
-
-
-def pod_config(engine: Engine) -> PodConfig:
-    return PodConfig(
-        pod_id=engine.ref.pod_id,
-        endpoint=engine.endpoint,
-        model="m",
-        replay_endpoint=engine.replay_endpoint,
-        dp_rank=engine.ref.dp_rank,
-    )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
-def status_of(service: IngestService, engine: Engine) -> PodStatus:
-    return next(
-        s for s in service.pod_statuses() if (s.pod, s.dp_rank) == (engine.ref.pod_id, engine.ref.dp_rank)
-    )
 
 
 def test_late_join_then_live_stream_matches_the_engines(engines: list[Engine]) -> None:
     engines += [Engine("pod-a"), Engine("pod-b")]
     for engine in engines:  # before the indexer exists: only the ring has these
         for _ in range(5):
-            engine.store()
+            engine.store_prompt()
         engine.remove_oldest()
         engine.flush()
-    service = IngestService([MODEL], [pod_config(e) for e in engines], settings=FAST)
+    service = IngestService([MODEL], [e.pod_config() for e in engines], settings=FAST)
     service.start()
     try:
         wait_for(service.ready, what="initial sync")
         wait_for(lambda: all(status_of(service, e).state == "live" for e in engines), what="live")
         for engine in engines:  # published right after start: some may beat the SUB's connection
             for _ in range(20):
-                engine.store()
+                engine.store_prompt()
             engine.remove_oldest()
             engine.flush()
         index = service.model("m").index  # type: ignore[union-attr]
@@ -100,14 +77,14 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
     settings = IngestSettings(
         num_workers=1, queue_size=4, queue_full_wait_s=0.0, quiet_probe_after_s=0.3, replay_timeout_s=30.0
     )
-    service = IngestService([MODEL], [pod_config(engine)], settings=settings)
+    service = IngestService([MODEL], [engine.pod_config()], settings=settings)
     service.start()
     try:
         wait_for(lambda: status_of(service, engine).state == "live", what="pod-a live")
         index = service.model("m").index  # type: ignore[union-attr]
         with index_stalled(index):
             for _ in range(30):
-                engine.store()
+                engine.store_prompt()
             engine.flush()
             wait_for(lambda: service.counters().dropped.get("queue_full", 0) >= 20, what="queue overflow")
         index = service.model("m").index  # type: ignore[union-attr]
@@ -122,7 +99,7 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
             wait_for(lambda: indexed_keys(index, engine.ref, engine.ever) == ring_keys, what="ring indexed")
             assert service.counters().history_lost >= 1
             engine.clear()  # the engine's whole cache is known again
-            engine.store()
+            engine.store_prompt()
             wait_for(lambda: index_matches(index, [engine]), what="cleared and re-stored")
             assert status_of(service, engine).state == "live"  # whole again after AllBlocksCleared
     finally:
@@ -132,18 +109,18 @@ def test_messages_dropped_at_a_full_queue_are_recovered_or_flagged(
 def test_engine_restart_drops_the_old_entries(engines: list[Engine]) -> None:
     engine = Engine("pod-a")
     engines.append(engine)
-    service = IngestService([MODEL], [pod_config(engine)], settings=FAST)
+    service = IngestService([MODEL], [engine.pod_config()], settings=FAST)
     service.start()
     try:
         wait_for(lambda: status_of(service, engine).state == "live", what="live")
         for _ in range(6):
-            engine.store()
+            engine.store_prompt()
         engine.flush()
         index = service.model("m").index  # type: ignore[union-attr]
         wait_for(lambda: index_matches(index, [engine]), what="first engine indexed")
         engine.restart()
-        engine.store()
-        engine.store()
+        engine.store_prompt()
+        engine.store_prompt()
         engine.flush()
         wait_for(lambda: index_matches(index, [engine]), what="only the new engine's blocks")
         assert status_of(service, engine).restarts_total == 1
@@ -157,14 +134,14 @@ def test_two_dp_ranks_of_one_pod_are_kept_apart(engines: list[Engine]) -> None:
     rank1 = Engine("pod-a", dp_rank=1)
     engines += [rank0, rank1]
     for _ in range(3):
-        rank0.store()
-        rank1.store()
+        rank0.store_prompt()
+        rank1.store_prompt()
     rank0.flush()
     rank1.flush()
-    service = IngestService([MODEL], [pod_config(rank0), pod_config(rank1)], settings=FAST)
+    service = IngestService([MODEL], [rank0.pod_config(), rank1.pod_config()], settings=FAST)
     service.start()
     try:
-        rank1.store()
+        rank1.store_prompt()
         rank1.flush()
         index = service.model("m").index  # type: ignore[union-attr]
         wait_for(lambda: index_matches(index, engines), what="both ranks indexed")
@@ -174,12 +151,12 @@ def test_two_dp_ranks_of_one_pod_are_kept_apart(engines: list[Engine]) -> None:
 
 
 def test_engines_with_another_seed_are_flagged(engines: list[Engine]) -> None:
-    engine = Engine("pod-a", seed="42")  # the indexer expects PYTHONHASHSEED unset
+    engine = Engine("pod-a", hash_seed="42")  # the indexer expects PYTHONHASHSEED unset
     engines.append(engine)
-    service = IngestService([MODEL], [pod_config(engine)], settings=FAST)
+    service = IngestService([MODEL], [engine.pod_config()], settings=FAST)
     service.start()
     try:
-        engine.store()
+        engine.store_prompt()
         engine.flush()
         wait_for(lambda: status_of(service, engine).state == "hash_mismatch", what="hash_mismatch")
         assert service.counters().hash_mismatches >= 1

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
 import xxhash
 from kvindex.indexer.ingest.pod_queues import PodQueues, worker_for
+from waiting import wait_for
 
 
 @pytest.mark.parametrize(
@@ -38,13 +38,6 @@ def one_at_a_time(handle: Callable[[str, int], None]) -> Callable[[list[tuple[st
 def test_a_pod_always_maps_to_one_worker_and_pods_spread() -> None:
     workers = {worker_for(f"pod-{i}", 4) for i in range(100)}
     assert workers == {0, 1, 2, 3}
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.005)  # ok
 
 
 def test_each_pods_items_are_handled_in_order_by_one_thread() -> None:

@@ -20,6 +20,7 @@ import pytest
 from kvindex.hashing import BlockHasher
 from kvindex.replay.publisher import EventPublisher
 from kvindex.replay.wire import BlockStored
+from waiting import wait_for
 
 LISTENING = "kvindex serve: listening on "
 TOKENS = list(range(1, 33))
@@ -88,8 +89,9 @@ def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     stream = proc.stderr
 
     def pump() -> None:
-        for text in stream:
-            lines.put(text)
+        with stream:  # closed at the end of stream, which comes once the process has exited
+            for text in stream:
+                lines.put(text)
         lines.put("")  # end of stream
 
     threading.Thread(target=pump, name="serve-stderr", daemon=True).start()
@@ -132,15 +134,16 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
             medium="GPU",
             lora_name=None,
         )
-        deadline = time.monotonic() + 30.0
         seen: list[object] = []
-        while not seen:
+
+        def listed() -> bool:
             # A dialling PUB drops what it sends before our subscription reaches it: publish until seen.
-            assert time.monotonic() < deadline, "rank 1 never showed up in /v1/pods"
-            assert publisher.publish([stored])
+            assert publisher is not None and publisher.publish([stored])
             _, pods = get(url + "/v1/pods")
-            seen = [(p["pod"], p["dp_rank"], p["endpoint"]) for p in pods["pods"]]  # type: ignore[index]
-            time.sleep(0.05)  # ok: polling a condition with a deadline
+            seen[:] = [(p["pod"], p["dp_rank"], p["endpoint"]) for p in pods["pods"]]  # type: ignore[index]
+            return bool(seen)
+
+        wait_for(listed, timeout_s=30.0, what="rank 1 in /v1/pods", poll_s=0.05)
         assert seen == [("pod-x", 1, bound[1])]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -150,3 +153,5 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()  # stderr is closed by its reader (stderr_lines)
