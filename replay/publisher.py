@@ -58,7 +58,8 @@ class EventPublisher:
 
     Sockets are created (and bound/connected) in the constructor, so address errors surface there; after
     that only the background thread touches them. A tcp endpoint with port 0 or `*` is always bound,
-    since there is nothing to connect to.
+    since there is nothing to connect to. `bind` overrides vLLM's rule (None: the rule decides), for a
+    publisher that must bind a fixed loopback address such as one taking over a restarted engine's.
     """
 
     endpoint: str
@@ -73,6 +74,7 @@ class EventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         max_queue_size: int = 100_000,
+        bind: bool | None = None,
         dp_rank: int = 0,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         publish_timeout_s: float = 1.0,
@@ -96,7 +98,11 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.set_hwm(hwm)
-            if should_bind(effective_endpoint) or has_ephemeral_port(effective_endpoint):
+            if (
+                bind
+                if bind is not None
+                else should_bind(effective_endpoint) or has_ephemeral_port(effective_endpoint)
+            ):
                 self.endpoint = _bind(self._pub, effective_endpoint)
             else:
                 self._pub.connect(effective_endpoint)

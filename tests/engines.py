@@ -13,6 +13,7 @@ import zmq
 from kvindex.hashing import BlockHasher
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.model import PodConfig
+from kvindex.replay.endpoints import has_ephemeral_port, should_bind
 from kvindex.replay.publisher import EventPublisher
 from kvindex.replay.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -35,6 +36,7 @@ class Engine:
         buffer_steps: int = 10_000,
         hash_seed: str | None = None,
         offset_addresses: bool = True,
+        bind: bool | None = None,
     ) -> None:
         """`offset_addresses=False`: the addresses are already this rank's (vLLM's DP offset not applied).
         `hash_seed` is what store_prompt hashes with (None: PYTHONHASHSEED unset, as the indexer expects)."""
@@ -47,12 +49,15 @@ class Engine:
         self.held: dict[int, set[str]] = {}
         self.ever: set[int] = set()  # every key ever stored, held or not
         self.stored_order: list[list[int]] = []  # each stored batch's keys, oldest first
+        # Whether the PUB binds (vLLM's rule unless told): a restart binds the same resolved address again.
+        self.binds = bind if bind is not None else should_bind(endpoint) or has_ephemeral_port(endpoint)
         self.publisher = EventPublisher(
             endpoint,
             replay_endpoint=replay_endpoint,
             topic=topic,
             buffer_steps=buffer_steps,
             dp_rank=dp_rank if offset_addresses else 0,
+            bind=bind,
         )
         self.publisher.dp_rank = dp_rank  # the rank the batches carry, whichever address offset applied
 
@@ -173,6 +178,7 @@ class Engine:
                     topic=self.topic,
                     buffer_steps=self.buffer_steps,
                     dp_rank=0,  # the addresses are already the effective (offset) ones
+                    bind=self.binds,  # a resolved address, which vLLM's rule alone would connect to
                 )
                 break
             except zmq.ZMQError as exc:
