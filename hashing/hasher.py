@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import struct
 from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
@@ -17,7 +16,14 @@ from typing import Annotated, Any, Final
 import msgspec
 import xxhash
 from kvindex.hashing import cbor_fast
-from kvindex.hashing.algorithms import HashAlgo, event_hash, get_algo, resolve_seed, root_hash
+from kvindex.hashing.algorithms import (
+    HashAlgo,
+    event_hash,
+    event_hashes_of,
+    get_algo,
+    resolve_seed,
+    root_hash,
+)
 from kvindex.hashing.errors import HashingError
 from kvindex.hashing.extra_keys import (
     ExtraKeys,
@@ -87,14 +93,6 @@ def _exact_ints(token_ids: Sequence[int]) -> tuple[int, ...]:
         return msgspec.convert(token_ids, _IntTuple)
     except msgspec.ValidationError as exc:
         raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
-
-
-def _event_hashes(digests: list[bytes], digest_size: int) -> list[int]:
-    """Last 8 bytes of each digest, big-endian: one struct call for the whole prompt."""
-    if not digests:
-        return []
-    layout = f"{digest_size - 8}xQ" * len(digests)
-    return list(struct.unpack(">" + layout, b"".join(digests)))
 
 
 class BlockHasher:
@@ -174,7 +172,7 @@ class BlockHasher:
         digests = self._chain(
             token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead
         )
-        return _event_hashes(digests, self._algo.digest_size)
+        return event_hashes_of(digests, self._algo.digest_size)
 
     def event_extra_keys(
         self,
