@@ -122,6 +122,10 @@ class BlockHasher:
         self._memo = DigestMemo(memo_size) if memo_size else None
         self._cbor_array_head = cbor_fast.array_head(block_size)
         self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
+        if self._algo.uses_cbor:
+            # Built here rather than by the first prompt, so a service that makes its hashers at start-up
+            # does not make its first request wait for the table.
+            cbor_fast.token_table()
 
     @property
     def algo(self) -> str:
