@@ -33,8 +33,10 @@ class RequestError(ValueError):
         self.status = status
 
 
-class MMItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A multimodal item: its encoder-cache identifier and where its placeholder tokens sit."""
+class ScoreRequestMMItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of a score request's `mm`: a multimodal item's encoder-cache identifier and where its
+    placeholder tokens sit. The JSON shape of CONTRACT.md (unknown fields refused, checked with field paths
+    by `validate_score_request`); api/score.py turns it into the hasher's kvindex.hashing.MMItem."""
 
     identifier: str
     offset: int
@@ -50,7 +52,7 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     lora_name: str | None = None
     lora_path: str | None = None
     cache_salt: str | None = None
-    mm: list[MMItem] | None = None
+    mm: list[ScoreRequestMMItem] | None = None
     pods: list[str] | None = None
 
 
@@ -141,7 +143,7 @@ def _check_length(field: str, length: int, max_length: int) -> None:
         raise RequestError(field, f"{length} items is more than the limit of {max_length}")
 
 
-def _check_mm(items: list[MMItem], num_tokens: int) -> None:
+def _check_mm(items: list[ScoreRequestMMItem], num_tokens: int) -> None:
     previous_end = 0
     for i, item in enumerate(items):
         field = f"mm[{i}]"

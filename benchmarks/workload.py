@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any
 
+from kvindex.hashing import event_hash
 from kvindex.replay.publisher import encode_batch
 from kvindex.replay.wire import BlockStored, ExternalBlockHash, KVEventBatch
 
@@ -130,11 +131,6 @@ def kvindex_digests(token_ids: Sequence[int], block_size: int, seed: str) -> lis
         raise RuntimeError("kvindex.hashing.BlockHasher is not available yet")
     hasher = hasher_class(algo="sha256", block_size=block_size, seed=seed)
     return [bytes(digest) for digest in hasher.block_hashes(list(token_ids))]
-
-
-def event_hash(digest: bytes) -> int:
-    """The form vLLM publishes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): last 8 bytes, big-endian."""
-    return int.from_bytes(digest[-8:], "big")
 
 
 # --- token content -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvindex.cli.main import CliError
 
-if TYPE_CHECKING:  # imported in run(): parsing arguments must not build the hashing tables
+if TYPE_CHECKING:  # imported in run(): only this subcommand needs the harness
     from kvindex.hashing.compat import CompatReport
 
 

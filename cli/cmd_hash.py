@@ -11,12 +11,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvindex.cli.main import HASH_ALGOS, CliError
-
-if TYPE_CHECKING:  # imported in the functions: parsing arguments must not build the hashing tables
-    from kvindex.hashing import MMItem
+from kvindex.cli.main import CliError
+from kvindex.hashing import BlockHasher, HashingError, MMItem, event_hash
+from kvindex.hashing.algorithms import HASH_ALGOS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +45,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def parse_mm(spec: str) -> MMItem:
     """IDENTIFIER:OFFSET:LENGTH (the identifier may itself contain ':', e.g. a LoRA prefix)."""
-    from kvindex.hashing import MMItem
-
     identifier, sep1, rest = spec.rpartition(":")
     identifier, sep2, offset = identifier.rpartition(":")
     if not (sep1 and sep2 and identifier):
@@ -83,8 +80,6 @@ def _read_tokens(args: argparse.Namespace) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvindex.hashing import BlockHasher, HashingError, event_hash
-
     seed = args.seed if args.seed is not None else os.environ.get("PYTHONHASHSEED")
     mm = [parse_mm(spec) for spec in args.mm]
     token_ids = _read_tokens(args)

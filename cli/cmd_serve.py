@@ -15,7 +15,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvindex.cli.main import HASH_ALGOS, CliError
+from kvindex.cli.main import CliError
+from kvindex.hashing.algorithms import HASH_ALGOS
 
 if TYPE_CHECKING:
     from kvindex.cli.config import ServeConfig

@@ -20,11 +20,11 @@ from kvindex.api.settings import (
     ApiSettings,
     default_tier_weights,
 )
+from kvindex.hashing.algorithms import HASH_ALGOS
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.scorer import DEFAULT_UNKNOWN_TIER_WEIGHT
 
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_HTTP = "0.0.0.0:8080"
 # The GIL switch interval of `kvindex serve` (Python's default is 5 ms). Ingest threads share the GIL with
 # the event loop answering scores; a shorter slice hands it back sooner. benchmarks/score.py --quick,

@@ -1,9 +1,10 @@
 """The `kvindex` command line: one dispatcher, one module per subcommand.
 
 Each subcommand module (cli/cmd_<name>.py) exposes `configure(parser)` and `run(args) -> int`.
-Building the parser imports every cmd module, so a cmd module imports only argparse-level things at
-module level and its heavy dependencies (aiohttp, ZMQ, prometheus_client, kvindex.hashing's tables)
-inside `run()`: `kvindex hash` and `kvindex --help` never pay for the service stack (tests check this).
+Building the parser imports every cmd module, so a cmd module imports only light things at module level
+(argparse, kvindex.hashing, whose CBOR table is built only when a *_cbor hasher is made) and its heavy
+dependencies (aiohttp, ZMQ, prometheus_client, the indexer) inside `run()`: `kvindex hash` and
+`kvindex --help` never pay for the service stack (tests check this).
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
-
-# kvindex.hashing.HASH_ALGOS, repeated so argument parsing need not import the hashing package (its
-# import builds lookup tables); tests/cli/test_main.py checks the two agree.
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -2,11 +2,13 @@
 
 Used on the read path by the sha256_cbor / xxhash_cbor algorithms: byte-identical to
 `cbor2.dumps(obj, canonical=True)` (the tests prove it), but without cbor2's per-object dispatch. Token
-ints come from a precomputed table; extra keys, rare and repeated on every block, go through cbor2.
+ints come from a precomputed table, built on first use; extra keys, rare and repeated on every block, go
+through cbor2.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any, Final
@@ -38,13 +40,30 @@ def _build_table() -> tuple[bytes, ...]:
     return tuple(_uint_head(0, value) for value in range(TABLE_SIZE))
 
 
-_TOKEN_TABLE: Final = _build_table()
+# NOTE: the table is a constant, but building it costs its ~12 MB and a pause that only the *_cbor
+# algorithms need, so it is not built at import: the first caller of token_table() builds it (under the
+# lock, so exactly once per process) and it never changes after. None until then.
+_token_table: tuple[bytes, ...] | None = None
+_token_table_lock: Final = threading.Lock()
+
+
+def token_table() -> tuple[bytes, ...]:
+    """The canonical CBOR of every int below TABLE_SIZE, by value; built on the first call in the
+    process (safe from several threads at once), then returned as is."""
+    global _token_table
+    table = _token_table
+    if table is None:
+        with _token_table_lock:
+            table = _token_table
+            if table is None:
+                table = _token_table = _build_table()
+    return table
 
 
 def encode_token(token_id: int) -> bytes:
     """Canonical CBOR of one non-negative int."""
     if token_id < TABLE_SIZE:
-        return _TOKEN_TABLE[token_id]
+        return token_table()[token_id]
     if token_id < 1 << 64:
         return _uint_head(0, token_id)
     return cbor2.dumps(token_id, canonical=True)
@@ -57,7 +76,7 @@ def encode_tokens(token_ids: Sequence[int]) -> tuple[bytes, ...]:
     if not token_ids:
         return ()
     try:
-        return itemgetter(*token_ids)(_TOKEN_TABLE)  # type: ignore[no-any-return]
+        return itemgetter(*token_ids)(token_table())  # type: ignore[no-any-return]
     except IndexError:  # an id beyond the table: rare, so the slow path is fine
         return tuple(map(encode_token, token_ids))
 

@@ -27,12 +27,6 @@ class _Lora(msgspec.Struct, frozen=True):
     int_id: int | None = None
 
 
-class _MM(msgspec.Struct, frozen=True):
-    identifier: str
-    offset: int
-    length: int
-
-
 class _Expected(msgspec.Struct, frozen=True):
     root_hex: str
     block_hashes_hex: list[str]
@@ -49,7 +43,7 @@ class _Case(msgspec.Struct, frozen=True):
     expected: _Expected
     lora: _Lora | None = None
     cache_salt: str | None = None
-    mm: list[_MM] | None = None
+    mm: list[MMItem] | None = None  # decoded straight into the hasher's own type
     lookahead: int = 0
     prompt_embeds_digests_hex: list[str] | None = None
 
@@ -143,7 +137,7 @@ def _check_case(case: _Case, tokens: list[int]) -> int | None:
     if case.cache_salt is not None:
         keywords["cache_salt"] = case.cache_salt
     if case.mm is not None:
-        keywords["mm"] = [MMItem(item.identifier, item.offset, item.length) for item in case.mm]
+        keywords["mm"] = case.mm
     if case.prompt_embeds_digests_hex is not None:
         keywords["prompt_embeds_digests"] = [
             _hex(value, "prompt-embeds digest", case.id) for value in case.prompt_embeds_digests_hex

@@ -7,9 +7,7 @@ hashed; block i hashes (parent digest or NONE_HASH, tuple(tokens of block i), ex
 
 from __future__ import annotations
 
-import hashlib
 import pickle
-import struct
 from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
@@ -17,7 +15,15 @@ from typing import Annotated, Any, Final
 import msgspec
 import xxhash
 from kvindex.hashing import cbor_fast
-from kvindex.hashing.algorithms import HashAlgo, event_hash, get_algo, resolve_seed, root_hash
+from kvindex.hashing.algorithms import (
+    SHA256,
+    HashAlgo,
+    event_hash,
+    event_hashes_of,
+    get_algo,
+    resolve_seed,
+    root_hash,
+)
 from kvindex.hashing.errors import HashingError
 from kvindex.hashing.extra_keys import (
     ExtraKeys,
@@ -39,13 +45,6 @@ _IntTuple = tuple[int, ...]
 _NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 # Ids that cannot be a bool in disguise (True and False pack as 1 and 0).
 _AboveOneTuple = tuple[Annotated[int, msgspec.Meta(ge=2)], ...]
-
-try:
-    # CPython's built-in SHA-256: same digest as hashlib's OpenSSL one, ~20% cheaper per call on the
-    # ~100-byte preimages of a block (no EVP context set-up).
-    from _sha256 import sha256 as _fast_sha256
-except ImportError:  # pragma: no cover - other interpreters
-    _fast_sha256 = hashlib.sha256
 
 
 def validate_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
@@ -89,14 +88,6 @@ def _exact_ints(token_ids: Sequence[int]) -> tuple[int, ...]:
         raise HashingError(f"token_ids must be non-negative integers ({exc})") from None
 
 
-def _event_hashes(digests: list[bytes], digest_size: int) -> list[int]:
-    """Last 8 bytes of each digest, big-endian: one struct call for the whole prompt."""
-    if not digests:
-        return []
-    layout = f"{digest_size - 8}xQ" * len(digests)
-    return list(struct.unpack(">" + layout, b"".join(digests)))
-
-
 class BlockHasher:
     """Block hashes of one model's prompts, as its vLLM engines compute them.
 
@@ -124,6 +115,10 @@ class BlockHasher:
         self._memo = DigestMemo(memo_size) if memo_size else None
         self._cbor_array_head = cbor_fast.array_head(block_size)
         self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
+        if self._algo.uses_cbor:
+            # Built here rather than by the first prompt, so a service that makes its hashers at start-up
+            # does not make its first request wait for the table.
+            cbor_fast.token_table()
 
     @property
     def algo(self) -> str:
@@ -174,7 +169,7 @@ class BlockHasher:
         digests = self._chain(
             token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead
         )
-        return _event_hashes(digests, self._algo.digest_size)
+        return event_hashes_of(digests, self._algo.digest_size)
 
     def event_extra_keys(
         self,
@@ -326,7 +321,7 @@ class BlockHasher:
         append = digests.append
         start = 0
         if self._algo.digest_size == 32:
-            sha256 = _fast_sha256
+            sha256 = SHA256
             for index in range(first, stop):
                 keys = None if extras is None else extras[index]
                 parent = sha256(dumps((parent, tokens[start : start + block_size], keys), protocol)).digest()
@@ -353,7 +348,7 @@ class BlockHasher:
         block_size = self._block_size
         token_items = cbor_fast.encode_tokens(tokens[: (stop - first) * block_size])
         digest = self._algo.digest
-        sha256 = _fast_sha256 if self._algo.digest_size == 32 else None
+        sha256 = SHA256 if self._algo.digest_size == 32 else None
         head = self._cbor_parent_head
         array_head = self._cbor_array_head
         join = b"".join

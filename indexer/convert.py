@@ -10,16 +10,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import msgspec
-from kvindex.indexer.events import (
-    TIER_GPU,
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    KVEvent,
-    key_from_digest,
-)
+from kvindex.hashing import event_hash
+from kvindex.indexer.events import TIER_GPU, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from kvindex.replay import wire
 
+# Reinterprets a signed 64-bit int as unsigned (two's complement); not the digest fold, which is event_hash.
 _U64_MASK = 2**64 - 1
 _I64_MIN = -(2**63)
 _MIN_DIGEST_BYTES = 8
@@ -53,7 +48,7 @@ def block_key(block_hash: wire.ExternalBlockHash) -> int:
     if isinstance(block_hash, bytes):
         if len(block_hash) < _MIN_DIGEST_BYTES:
             raise ConvertError("bad_hash", f"digest of {len(block_hash)} bytes is shorter than 8")
-        return key_from_digest(block_hash)
+        return event_hash(block_hash)
     raise ConvertError("bad_hash", f"hash of type {type(block_hash).__name__}")
 
 

@@ -2,7 +2,8 @@
 
 Wire objects (replay/wire.py) are converted into these once, in indexer/convert.py; the index never sees a
 wire object. Block hashes are always the 64-bit event form (`BlockKey`): raw-bytes hashes on the wire are
-folded to the same form (last 8 bytes, big-endian), exactly as vLLM does for its int hashes.
+folded to the same form by kvindex.hashing.event_hash (last 8 bytes, big-endian), exactly as vLLM does for
+its int hashes.
 """
 
 from __future__ import annotations
@@ -71,8 +72,3 @@ class EventBatch(msgspec.Struct, frozen=True):
     ts: float
     events: tuple[KVEvent, ...]
     dp_rank: int | None = None
-
-
-def key_from_digest(digest: bytes) -> BlockKey:
-    """The 64-bit event form of a raw digest: vLLM's `int.from_bytes(h, "big") & (2**64 - 1)`."""
-    return BlockKey(int.from_bytes(digest[-8:], "big"))

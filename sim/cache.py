@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
+from kvindex.hashing import event_hash
 from kvindex.replay.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, WireEvent
 
 SPEC_KIND_FULL_ATTENTION = "full_attention"
@@ -36,11 +37,6 @@ class SimRequestResult(msgspec.Struct, frozen=True):
     num_output_tokens: int
     num_new_blocks: int  # blocks allocated from the free queue (each may have evicted a cached block)
     events: list[WireEvent]
-
-
-def event_hash(block_hash: bytes) -> int:
-    """vLLM's int form of a digest in events (`maybe_convert_block_hash`): its last 8 bytes, big-endian."""
-    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def synthetic_output_tokens(prompt_token_ids: Sequence[int], num_tokens: int, vocab_size: int) -> list[int]:

@@ -84,6 +84,11 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
         # DigestMemo (inside BlockHasher) is documented as safe to share between threads: one
         # threading.Lock around every read-modify of its LRU dicts.
         ("hashing/memo.py", "threading"),
+        # The CBOR token table is a constant that only *_cbor hashers need (~12 MB), so it is built on
+        # first use, not at import: stored once through `global`, under a threading.Lock so threads
+        # racing for it share one build.
+        ("hashing/cbor_fast.py", "threading"),
+        ("hashing/cbor_fast.py", "_token_table"),
         # KVIndex and its shards hold a threading.Lock each so ingest workers and readers can share them.
         ("indexer/index.py", "threading"),
     }
