@@ -199,8 +199,9 @@ class IngestService:
         return [self._status(stream, now) for stream in streams]
 
     def applied_seqs(self) -> dict[PodRef, int | None]:
-        """Each stream's last applied seq (cheap: no index reads; for progress checks and benchmarks)."""
-        return {stream.ref: stream.tracker.last_applied for stream in self._streams.all()}
+        """Each stream's newest seq whose events are in the index (cheap: no index reads; for progress
+        checks and benchmarks)."""
+        return {stream.ref: stream.indexed_seq for stream in self._streams.all()}
 
     def counters(self) -> IngestCounters:
         """A snapshot of the process-wide counters."""

@@ -75,6 +75,9 @@ class Stream:
         self.check_interval_s = 0.0
         self.events_total = 0
         self.replays_total = 0
+        # The newest seq whose events are in the index (the tracker's last_applied runs ahead of it by
+        # what a worker has gathered but not yet applied).
+        self.indexed_seq: int | None = None
         # The tracker's (gaps, duplicates, history_lost) already added to the process-wide counters.
         self.counted = (0, 0, 0)
         # The stream's outstanding replay request (answers carrying another token are stale).

@@ -58,10 +58,12 @@ _digest = xxhash.xxh3_64_intdigest
 class _Accumulator:
     """What one `handle_many` call gathered: kept events per stream (in order), and counts."""
 
-    __slots__ = ("pending", "stored", "removed", "cleared", "non_prefix", "unknown_parents")
+    __slots__ = ("pending", "pending_seq", "stored", "removed", "cleared", "non_prefix", "unknown_parents")
 
     def __init__(self) -> None:
         self.pending: dict[Stream, list[KVEvent]] = {}
+        # The newest seq whose events are gathered in `pending` (or had none to keep).
+        self.pending_seq: dict[Stream, int] = {}
         self.stored = 0
         self.removed = 0
         self.cleared = 0
@@ -298,6 +300,7 @@ class StreamWorker:
     def _clear(self, stream: Stream, action: ClearPod) -> None:
         pod = stream.ref
         cleared = self._models[stream.model].index.clear_pod(pod)
+        stream.indexed_seq = None
         if action.reason == "restart":
             self._counters.add("restarts")
             stream.hash_mismatch = False  # a new engine process may run with new settings
@@ -324,6 +327,7 @@ class StreamWorker:
 
     def _apply(self, stream: Stream, seq: int, decoded: TrackedBatch, acc: _Accumulator) -> None:
         """Filter one batch's events for the index and queue them on `acc` (applied at the next flush)."""
+        acc.pending_seq[stream] = seq
         if decoded is None:
             return
         batch, payload = decoded
@@ -367,14 +371,16 @@ class StreamWorker:
 
     def _flush(self, stream: Stream, acc: _Accumulator) -> None:
         events = acc.pending.pop(stream, None)
-        if not events:
-            return
-        stats = self._models[stream.model].index.apply(stream.ref, events)
-        acc.unknown_parents += stats.unknown_parents
-        stream.events_total += len(events)
+        seq = acc.pending_seq.pop(stream, None)
+        if events:
+            stats = self._models[stream.model].index.apply(stream.ref, events)
+            acc.unknown_parents += stats.unknown_parents
+            stream.events_total += len(events)
+        if seq is not None:
+            stream.indexed_seq = seq
 
     def _flush_all(self, acc: _Accumulator) -> None:
-        for stream in list(acc.pending):
+        for stream in list(acc.pending.keys() | acc.pending_seq.keys()):
             try:
                 self._flush(stream, acc)
             except Exception:
