@@ -14,7 +14,10 @@ COPY kvindex ./kvindex
 COPY hashing ./hashing
 COPY replay ./replay
 COPY indexer ./indexer
+COPY sim ./sim
 COPY api ./api
+COPY demo ./demo
+COPY cli ./cli
 RUN pip install . && rm -rf /src
 
 # Run as an unprivileged user; nothing is written to disk.

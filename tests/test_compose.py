@@ -8,11 +8,13 @@ this test instead of a user's `docker compose up`.
 from __future__ import annotations
 
 import shlex
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvindex.cli.main import build_parser
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,3 +101,14 @@ def test_dockerfile_installs_the_package_and_runs_kvindex() -> None:
     # Everything the package is built from must reach the build context.
     for needed in ("pyproject.toml", "README.md", "kvindex", "hashing", "replay", "indexer", "api"):
         assert needed not in ignored
+
+
+def test_the_image_copies_every_folder_the_package_installs() -> None:
+    """pyproject's package-dir is the list of folders `pip install .` needs; the Dockerfile must copy each
+    (it once copied four of seven, and the image had no `kvindex` command)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    copied = {
+        line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+    }
+    assert {folder.split("/")[0] for folder in folders} <= copied
