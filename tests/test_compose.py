@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from kvindex.cli.main import build_parser
 
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
