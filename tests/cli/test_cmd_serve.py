@@ -155,3 +155,33 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
             proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()  # stderr is closed by its reader (stderr_lines)
+
+
+def test_serve_with_a_thousand_pods_stops_within_the_deadline() -> None:
+    """SIGTERM with 1,000 pods dialled and their joins outstanding: every ingest thread joins within the
+    stop deadline (the service logs 'did not stop within' otherwise) and the process exits 0."""
+    pods: list[str] = []
+    for i in range(1000):
+        pods += ["--pod", f"pod-{i}=tcp://127.0.0.1:1,replay=tcp://127.0.0.1:1"]  # nothing listens on port 1
+    argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m", *pods]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = stderr_lines(proc)  # a thousand start-up lines would fill the pipe and stall the server
+    try:
+        line = read_line(proc, 60.0)
+        assert line.startswith(LISTENING), line
+        url = line[len(LISTENING) :].strip()
+        status, body = get(url + "/v1/pods")
+        assert status == 200 and len(body["pods"]) == 1000  # type: ignore[arg-type]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    stderr: list[str] = []
+    while (text := lines.get(timeout=10)) != "":
+        stderr.append(text)
+    assert not [text for text in stderr if "Traceback" in text or "did not stop within" in text]
+    assert any("stopped" in text for text in stderr[-3:])
