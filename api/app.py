@@ -134,11 +134,11 @@ async def handle_healthz(request: web.Request) -> web.Response:
 
 
 async def handle_readyz(request: web.Request) -> web.Response:
-    if request.app[SERVICE].ready():
-        return json_response({"ready": True})
+    readiness = request.app[SERVICE].readiness(request.app[SETTINGS].min_live_pods)
+    if readiness.ready:
+        return json_response({"ready": True, "live_pods": readiness.live_pods})
     return json_response(
-        {"ready": False, "error": "ingest: subscriptions not up or a pod is still in its initial sync"},
-        status=503,
+        {"ready": False, "live_pods": readiness.live_pods, "error": readiness.reason}, status=503
     )
 
 

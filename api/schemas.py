@@ -8,11 +8,11 @@ field, which the HTTP layer turns into `{"error": "<field>: <what is wrong>"}`.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from kvindex.indexer.scorer import PodScore
-from kvindex.indexer.status import PodStatus
+from kvindex.indexer.status import ALL_STATES, PodStatus
 from msgspec import Meta
 
 MAX_TOKEN_ID = 2**32 - 1  # vLLM token ids are 32-bit vocabulary indices
@@ -54,6 +54,12 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     cache_salt: str | None = None
     mm: list[ScoreRequestMMItem] | None = None
     pods: list[str] | None = None
+    # Pod states to answer for; None: every state, but a pod disconnected for longer than the grace
+    # (IngestSettings.disconnected_grace_s) is left out.
+    states: list[str] | None = None
+    # "trust": pods kvindex can vouch for (live) rank above the others, each group by score; "score":
+    # by score alone.
+    rank: Literal["trust", "score"] = "trust"
 
 
 class ScoreResponse(msgspec.Struct, frozen=True):
@@ -134,6 +140,12 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
         _check_mm(request.mm, len(request.token_ids))
     if request.pods is not None and not request.pods:
         raise RequestError("pods", "empty list (omit it to score every pod)")
+    if request.states is not None:
+        if not request.states:
+            raise RequestError("states", "empty list (omit it for every state but long-disconnected pods)")
+        for i, state in enumerate(request.states):
+            if state not in ALL_STATES:
+                raise RequestError(f"states[{i}]", f"unknown state {state!r}; one of {', '.join(ALL_STATES)}")
 
 
 def _check_length(field: str, length: int, max_length: int) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 from aiohttp import web
 from kvindex.api.metrics import RequestMetrics
 from kvindex.api.schemas import (
@@ -25,8 +26,8 @@ from kvindex.api.settings import ApiSettings
 from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRuntime
-from kvindex.indexer.scorer import score_prefix
-from kvindex.indexer.status import IngestView
+from kvindex.indexer.scorer import PodScore, score_prefix
+from kvindex.indexer.status import VOUCHED_STATES, IngestView
 
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
@@ -130,14 +131,17 @@ class ScoreHandler:
         runtime = resolve_model(self._service, score_request.model)
         config = runtime.config
         block_keys = await self._block_keys(config, score_request)
-        pod_scores = score_prefix(
-            runtime.index,
-            block_keys,
-            block_size=config.block_size,
-            tier_weights=self._settings.tier_weights,
-            unknown_tier_weight=self._settings.unknown_tier_weight,
-            pods=score_request.pods,
-            report_tiers=ALWAYS_REPORTED_TIERS,
+        pod_scores = self._with_health(
+            score_prefix(
+                runtime.index,
+                block_keys,
+                block_size=config.block_size,
+                tier_weights=self._settings.tier_weights,
+                unknown_tier_weight=self._settings.unknown_tier_weight,
+                pods=score_request.pods,
+                report_tiers=ALWAYS_REPORTED_TIERS,
+            ),
+            score_request,
         )
         response = ScoreResponse(
             model=config.name,
@@ -148,6 +152,32 @@ class ScoreHandler:
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
         return web.Response(body=JSON_ENCODER.encode(response), content_type="application/json")
+
+    def _with_health(self, pod_scores: list[PodScore], request: ScoreRequest) -> list[PodScore]:
+        """Each entry with its pod's state and event age; pods outside the asked states (by default:
+        disconnected past the grace) left out; with rank "trust", vouched pods first (each group keeps
+        the scorer's best-first order)."""
+        health_of = self._service.pod_health
+        grace_s = self._service.settings.disconnected_grace_s
+        states = None if request.states is None else frozenset(request.states)
+        vouched: list[PodScore] = []
+        others: list[PodScore] = []
+        by_score = request.rank == "score"
+        for entry in pod_scores:
+            health = health_of(entry.pod_id, entry.dp_rank)
+            if health is None:  # entries no stream feeds (an index filled directly): as they are
+                vouched.append(entry)
+                continue
+            if states is not None:
+                if health.state not in states:
+                    continue
+            elif health.disconnected_for_s is not None and health.disconnected_for_s > grace_s:
+                continue
+            entry = msgspec.structs.replace(
+                entry, state=health.state, last_event_age_s=health.last_event_age_s
+            )
+            (vouched if by_score or health.state in VOUCHED_STATES else others).append(entry)
+        return vouched + others if others else vouched
 
     async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> list[int]:
         if request.block_hashes is not None:

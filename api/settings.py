@@ -29,3 +29,5 @@ class ApiSettings(msgspec.Struct, frozen=True):
     unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
     # Prompts longer than this are hashed on a worker thread so the event loop keeps serving.
     hash_in_executor_min_tokens: int = DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS
+    # /readyz: ready once at least this many pods are live (and no reachable pod is in its first sync).
+    min_live_pods: int = 1

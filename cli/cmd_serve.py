@@ -62,6 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset -> vLLM's rule)",
     )
     parser.add_argument(
+        "--min-live-pods",
+        type=int,
+        metavar="N",
+        help="/readyz answers 200 once at least N pods are live and no reachable pod is in its first sync "
+        "(default 1; 0: ready without any)",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         metavar="MS",

@@ -87,6 +87,8 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
     queue_size: int | None = None
     queue_full_wait_s: float | None = None
     silent_after_s: float | None = None
+    disconnected_grace_s: float | None = None
+    forget_after_s: float | None = None
     quiet_probe_after_s: float | None = None
     replay_timeout_s: float | None = None
     hash_check_every: int | None = None
@@ -97,6 +99,7 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
 
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     http: str | None = None
+    min_live_pods: int | None = None
     listen: str | list[str] | None = None
     listen_replay: str | None = None
     log_level: str | None = None
@@ -193,6 +196,14 @@ class ServeArgs(Protocol):
     hash_seed: str | None
     switch_interval_ms: float | None
     log_level: str | None
+    min_live_pods: int | None
+
+
+def _min_live_pods(flag: int | None, file_value: int | None) -> int:
+    value = int(_first_given(flag, file_value, 1))
+    if value < 0:
+        raise ConfigError(f"--min-live-pods must be >= 0, got {value}")
+    return value
 
 
 def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
@@ -234,6 +245,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         tier_weights=dict(tiers.weights),
         unknown_tier_weight=tiers.unknown_weight,
         hash_in_executor_min_tokens=limits.hash_in_executor_min_tokens,
+        min_live_pods=_min_live_pods(args.min_live_pods, file.min_live_pods),
     )
 
     ingest_overrides = {

@@ -37,6 +37,10 @@ class PodScore(msgspec.Struct, frozen=True):
     # Per tier, the longest leading run held on that tier alone: the report tiers (see score_prefix),
     # then the other tiers with a non-zero run, by name.
     by_tier: dict[str, int]
+    # The pod's ingest state and seconds since its last event, filled in by the read path (the scorer
+    # knows only the index).
+    state: str = "live"
+    last_event_age_s: float | None = None
 
 
 def score_prefix(

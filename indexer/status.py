@@ -42,6 +42,33 @@ class PodStatus(msgspec.Struct):
     restarts_total: int = 0
 
 
+# What a score answer may trust: a pod in this state is following its engine's stream right now.
+VOUCHED_STATES = frozenset({STATE_LIVE})
+ALL_STATES = (
+    STATE_LIVE,
+    STATE_REPLAYING,
+    STATE_RESYNCING,
+    STATE_SILENT,
+    STATE_HASH_MISMATCH,
+    STATE_DISCONNECTED,
+)
+
+
+class PodHealth(msgspec.Struct, frozen=True):
+    """What a score answer says about one (pod, dp rank): cheap to read per scored pod."""
+
+    state: str
+    last_event_age_s: float | None
+    # How long the link has been down (None while connected).
+    disconnected_for_s: float | None
+
+
+class Readiness(msgspec.Struct, frozen=True):
+    ready: bool
+    reason: str | None = None  # why not, in one sentence
+    live_pods: int = 0
+
+
 class IngestCounters(msgspec.Struct):
     """Process-wide counters, monotonically increasing (Prometheus counters)."""
 
@@ -63,6 +90,13 @@ class IngestCounters(msgspec.Struct):
     non_prefix_group_events: int = 0
 
 
+class IngestSettingsView(Protocol):
+    """The ingest settings the read path needs (IngestSettings provides them)."""
+
+    @property
+    def disconnected_grace_s(self) -> float: ...
+
+
 class IngestView(Protocol):
     """What the HTTP read path needs of the write path: the model registry, status and counters, and the
     lifecycle when the app owns it. `kvindex.indexer.ingest.IngestService` provides it."""
@@ -70,7 +104,12 @@ class IngestView(Protocol):
     def model(self, name: str) -> ModelRuntime | None: ...
     def model_names(self) -> list[str]: ...
     def pod_statuses(self) -> list[PodStatus]: ...
+    def pod_health(self, pod_id: str, dp_rank: int) -> PodHealth | None: ...
     def counters(self) -> IngestCounters: ...
     def ready(self) -> bool: ...
+    def readiness(self, min_live_pods: int = 1) -> Readiness: ...
+
+    @property
+    def settings(self) -> IngestSettingsView: ...
     def start(self) -> None: ...
     def stop(self, timeout_s: float = 5.0) -> None: ...

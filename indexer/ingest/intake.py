@@ -79,11 +79,14 @@ class Intake:
     def on_link(self, source_id: str, event: LinkEvent) -> None:
         stream = self._streams.by_source.get(source_id)
         if stream is not None:
+            if stream.connected and event != "connected":
+                stream.disconnected_at = time.monotonic()
             stream.connected = event == "connected"
             if event == "connected":
                 # Every connection, the first included: the engine may have published before we were
                 # subscribed (a fresh engine bursts at once) or be a new process on the same address.
                 stream.ever_connected = True
+                stream.forgotten = False
                 stream.connected_at = time.monotonic()
                 stream.active_since_probe = True
                 self.submit(stream.ref.pod_id, ControlItem("reconnect", stream.ref), force=True)
@@ -93,11 +96,16 @@ class Intake:
             self.listen_peers += 1
             now = time.monotonic()
             for bound in self._streams.bound():
+                bound.forgotten = False
                 bound.connected_at = now
                 bound.active_since_probe = True
                 self.submit(bound.ref.pod_id, ControlItem("reconnect", bound.ref), force=True)
         else:
             self.listen_peers = max(0, self.listen_peers - 1)
+            if self.listen_peers == 0:
+                now = time.monotonic()
+                for bound in self._streams.bound():
+                    bound.disconnected_at = now
 
     def submit(self, pod_id: str, item: WorkItem, *, from_poller: bool = False, force: bool = False) -> None:
         """Queue for the pod's worker. Only the poller thread may wait for room (PodQueues allows one

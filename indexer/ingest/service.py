@@ -32,7 +32,9 @@ from kvindex.indexer.status import (
     STATE_RESYNCING,
     STATE_SILENT,
     IngestCounters,
+    PodHealth,
     PodStatus,
+    Readiness,
 )
 from kvindex.replay.replay_client import ReplayResult
 from kvindex.replay.replay_fetcher import ReplayFetcher
@@ -42,6 +44,27 @@ log = logging.getLogger("kvindex.indexer.ingest")
 
 _LISTEN_SOURCE = "listen"
 _WATCH_INTERVAL_S = 0.1
+
+
+def _likely_cause(stream: Stream, state: str, now: float, settings: IngestSettings) -> str:
+    if state == STATE_DISCONNECTED:
+        where = stream.endpoint or "the bound listen endpoint"
+        return f"nothing connected at {where}: engine down or restarting, or a wrong endpoint"
+    if state == STATE_SILENT:
+        heard = stream.last_live_at if stream.last_live_at is not None else stream.created_at
+        return (
+            f"connected, but no events for {now - heard:.0f} s: an idle engine, or KV events / prefix caching "
+            "off in the engine"
+        )
+    if state == STATE_RESYNCING:
+        return "batches lost beyond the replay ring; kept what the ring had until the engine's next clear"
+    if state == STATE_HASH_MISMATCH:
+        return "its block hashes or block size differ from the model's settings (see the earlier warning)"
+    if state == STATE_REPLAYING:
+        return "replaying the engine's ring"
+    return ""
+
+
 # The longest wait between two checks of a stream whose replay socket does not answer.
 _MAX_CHECK_INTERVAL_S = 60.0
 
@@ -208,10 +231,44 @@ class IngestService:
         return self._counters.snapshot()
 
     def ready(self) -> bool:
-        """Subscriptions up and no pod in its initial sync."""
+        """Subscriptions up and no reachable pod in its initial sync (see `readiness`, min 0 live pods)."""
+        return self.readiness(0).ready
+
+    def readiness(self, min_live_pods: int = 1) -> Readiness:
+        """Ready: running, at least `min_live_pods` pods live, and no pod that can be reached still in its
+        first sync. A pod that cannot be reached is `disconnected`, not syncing: one dead engine among a
+        hundred holds nothing back. A service with no pods and no listen endpoint has nothing to wait for."""
         if self._state != "running":
-            return False
-        return all(stream.tracker.joined for stream in self._streams.all())
+            return Readiness(False, "ingest: not running")
+        now = time.monotonic()
+        states = [(stream, self._state_of(stream, now)) for stream in self._streams.all()]
+        syncing = [s for s, state in states if state == STATE_REPLAYING]
+        live = sum(1 for _, state in states if state == STATE_LIVE)
+        if syncing:
+            names = ", ".join(f"{s.ref.pod_id}/{s.ref.dp_rank}" for s in syncing[:5])
+            more = f" and {len(syncing) - 5} more" if len(syncing) > 5 else ""
+            return Readiness(
+                False, f"ingest: {len(syncing)} pod(s) still in their first sync ({names}{more})", live
+            )
+        if not states and not self.listen:
+            return Readiness(True, None, 0)
+        if live < min_live_pods:
+            return Readiness(
+                False, f"ingest: {live} pod(s) live, at least {min_live_pods} needed (--min-live-pods)", live
+            )
+        return Readiness(True, None, live)
+
+    def pod_health(self, pod_id: str, dp_rank: int) -> PodHealth | None:
+        stream = self._streams.get(PodRef(pod_id, dp_rank))
+        if stream is None:
+            return None
+        now = time.monotonic()
+        state = self._state_of(stream, now)
+        return PodHealth(
+            state=state,
+            last_event_age_s=None if stream.last_live_at is None else now - stream.last_live_at,
+            disconnected_for_s=now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
+        )
 
     def _status(self, stream: Stream, now: float) -> PodStatus:
         tracker = stream.tracker
@@ -221,7 +278,7 @@ class IngestService:
             dp_rank=stream.ref.dp_rank,
             endpoint=stream.endpoint,
             state=self._state_of(stream, now),
-            last_seq=tracker.last_applied,
+            last_seq=stream.indexed_seq,
             last_event_age_s=None if stream.last_live_at is None else now - stream.last_live_at,
             events_total=stream.events_total,
             gaps_total=tracker.num_gaps,
@@ -264,11 +321,24 @@ class IngestService:
         it published before we were subscribed), and again with a doubling interval while a check could
         not be made (`needs_check`: its replay socket did not answer)."""
         quiet_s = self.settings.quiet_probe_after_s
+        forget_s = self.settings.forget_after_s
         while not self._stop_event.wait(min(_WATCH_INTERVAL_S, quiet_s / 4)):
             self._heap.tick(idle=not self._queues.depth())
             now = time.monotonic()
             for stream in self._streams.all():
                 tracker = stream.tracker
+                state = self._state_of(stream, now)
+                if state != stream.logged_state:
+                    self._log_transition(stream, stream.logged_state, state, now)
+                    stream.logged_state = state
+                if (
+                    state == STATE_DISCONNECTED
+                    and not stream.forgotten
+                    and now - stream.disconnected_at >= forget_s
+                ):
+                    stream.forgotten = True  # until it connects again
+                    self._intake.submit(stream.ref.pod_id, ControlItem("forget", stream.ref), force=True)
+                    continue
                 if tracker.awaiting is not None:
                     continue
                 heard = stream.last_live_at if stream.last_live_at is not None else stream.connected_at
@@ -281,6 +351,26 @@ class IngestService:
                     )
                     stream.next_check_at = now + stream.check_interval_s
                     self._probe(stream)
+
+    def _log_transition(self, stream: Stream, old: str | None, new: str, now: float) -> None:
+        """Once per state change: WARNING for every state but live (INFO), with the likely cause."""
+        if old is None and (
+            new == STATE_REPLAYING or (new == STATE_DISCONNECTED and not stream.ever_connected)
+        ):
+            return  # where every stream starts: its first real transition is what an operator needs
+        pod, tracker = stream.ref, stream.tracker
+        cause = _likely_cause(stream, new, now, self.settings)
+        level = logging.INFO if new == STATE_LIVE else logging.WARNING
+        log.log(
+            level,
+            "pod %s rank %d: %s -> %s at seq %s%s",
+            pod.pod_id,
+            pod.dp_rank,
+            old or "new",
+            new,
+            tracker.last_applied,
+            f" ({cause})" if cause else "",
+        )
 
     def _probe(self, stream: Stream) -> None:
         self._intake.submit(stream.ref.pod_id, ControlItem("probe", stream.ref), force=True)

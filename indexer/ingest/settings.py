@@ -29,6 +29,11 @@ class IngestSettings(msgspec.Struct, frozen=True):
     queue_full_wait_s: float = 2.0
     max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
+    # A disconnected pod's blocks: within the grace they still count in score answers (flagged with the
+    # state); past it they are kept but left out of answers by default; past forget_after_s they are
+    # dropped to free memory, and the pod's return is a fresh join.
+    disconnected_grace_s: float = 30.0
+    forget_after_s: float = 600.0
     quiet_probe_after_s: float = 5.0  # probe the replay socket when a pod went quiet after activity
     # A replay request fails when no reply came for this long (an idle timeout: a large ring streamed at
     # any pace completes); a failed request is retried after a doubling backoff from replay_retry_base_s

@@ -24,7 +24,7 @@ class LiveItem(msgspec.Struct, frozen=True):
     payload: bytes
 
 
-ControlKind = Literal["join", "probe", "reconnect"]
+ControlKind = Literal["join", "probe", "reconnect", "forget"]
 
 
 class ControlItem(msgspec.Struct, frozen=True):
@@ -68,6 +68,12 @@ class Stream:
         self.created_at = time.monotonic()
         self.last_live_at: float | None = None
         self.connected_at: float | None = None
+        # Since when the stream's link has been down (its creation until it first connects).
+        self.disconnected_at: float = self.created_at
+        # Its entries were dropped after a long disconnection (reset when it connects again).
+        self.forgotten = False
+        # The state last logged (transitions are logged once each by the watch thread).
+        self.logged_state: str | None = None
         # Heard from (or connected) since the last probe: probe it once it has been quiet a while.
         self.active_since_probe = False
         # While its checks go unanswered (tracker.needs_check): when to probe next, and the interval.

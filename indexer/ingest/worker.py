@@ -46,7 +46,15 @@ from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
 from kvindex.replay.endpoints import offset_endpoint_port
 from kvindex.replay.replay_fetcher import ReplayFetcher
-from kvindex.replay.sequence import MAX_REPLAY_ATTEMPTS, Action, Apply, ClearPod, FetchReplay, ReplayedItem
+from kvindex.replay.sequence import (
+    MAX_REPLAY_ATTEMPTS,
+    Action,
+    Apply,
+    ClearPod,
+    FetchReplay,
+    ReplayedItem,
+    SequenceTracker,
+)
 
 log = logging.getLogger("kvindex.indexer.ingest")
 
@@ -143,12 +151,31 @@ class StreamWorker:
             self._perform(stream, stream.tracker.begin_join(), acc)
         elif item.kind == "probe":
             self._perform(stream, stream.tracker.begin_probe(), acc)
+        elif item.kind == "forget":
+            self._forget(stream, acc)
         elif item.kind == "reconnect":
             # Asked once the new connection's subscription has had time to take effect, so the ring's
             # answer and the live stream overlap instead of leaving a hole between them.
             self._perform(
                 stream, stream.tracker.on_reconnect(), acc, delay_s=self._settings.reconnect_settle_s
             )
+
+    def _forget(self, stream: Stream, acc: _Accumulator) -> None:
+        """Disconnected past forget_after_s: free the pod's entries; its return is a fresh join."""
+        self._flush(stream, acc)
+        self._sync_counts(stream)
+        cleared = self._models[stream.model].index.clear_pod(stream.ref)
+        stream.tracker = SequenceTracker()
+        stream.counted = (0, 0, 0)
+        stream.indexed_seq = None
+        stream.replay_token += 1  # an answer still out is for the forgotten stream
+        log.warning(
+            "pod %s rank %d: disconnected for %.0f s; dropped its %d entries (its return is a fresh join)",
+            stream.ref.pod_id,
+            stream.ref.dp_rank,
+            self._settings.forget_after_s,
+            cleared,
+        )
 
     def _handle_replay_done(self, item: ReplayDone, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)

@@ -147,6 +147,10 @@ def test_block_hash_input_scores_like_token_ids(
     fleet, _, server = fleet_server
     by_tokens = score(server, {"model": "m", "token_ids": fleet.prompt_a})
     by_hashes = score(server, {"block_hashes": fleet.keys_a})  # model omitted: the only one configured
+    # Equal but for each pod's event age, which moves between the two requests.
+    for answer in (by_hashes, by_tokens):
+        for entry in answer["scores"]:
+            assert entry.pop("last_event_age_s") >= 0 and entry["state"] == "live"
     assert by_hashes == by_tokens
     assert_scores(by_hashes["scores"], expected(fleet, fleet.keys_a))
 
@@ -223,7 +227,7 @@ def test_pods_health_and_readiness(fleet_server: tuple[Fleet, IngestService, Ser
             assert key in row
     assert rows[("pod-a", 0)]["blocks"] == 15  # 16 stored, 1 removed
     assert asyncio.run(get_json(server.url + "/healthz"))[0] == 200
-    assert asyncio.run(get_json(server.url + "/readyz")) == (200, {"ready": True})
+    assert asyncio.run(get_json(server.url + "/readyz")) == (200, {"ready": True, "live_pods": 4})
 
 
 # --- LoRA, cache salt and multimodal requests hash exactly like vLLM (golden vectors) ----------------
@@ -351,6 +355,8 @@ def contract_rows(
         if run:
             row = {"pod": pod.pod_id, "dp_rank": pod.dp_rank, "matched_blocks": run}
             rows.append(row | {"matched_tokens": run * 4, "score": weight_sum, "by_tier": by_tier})
+            # No stream feeds this directly filled index: the entries are taken as live, age unknown.
+            rows[-1] |= {"state": "live", "last_event_age_s": None}
     rows.sort(key=lambda r: (-r["score"], -r["matched_blocks"], r["pod"], r["dp_rank"]))
     return rows
 

@@ -15,10 +15,18 @@ MODELS = [ModelConfig(name="m"), ModelConfig(name="org/model@v2")]
 
 
 def free_port() -> int:
-    """An ephemeral port the kernel just handed out (the socket is closed again at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port P such that P and P + 1 (rank 1's replay socket, vLLM's DP offset) were both free just now
+    (the sockets are closed again at once); a lone free port's neighbour is often taken."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            with socket.socket() as neighbour:
+                try:
+                    neighbour.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
 
 
 def publish_until_seen(service: IngestService, engine: Engine) -> None:
