@@ -138,6 +138,12 @@ class SequenceTracker(Generic[T]):
             return [self._fetch(0, "join")]
         return [self._fetch(0 if self.last_applied is None else self.last_applied, "reconnect")]
 
+    def mark_unverified(self) -> None:
+        """A connection came that may or may not be this stream's engine (bind mode: ZMQ does not say
+        which peer connected): nothing is asked now, but the next seq that is not the expected one is
+        checked against the ring rather than trusted."""
+        self._verified = False
+
     def on_live(self, seq: int, item: T, digest: int) -> list[Action[T]]:
         if self.awaiting is not None:
             self._hold(seq, item, digest)

@@ -373,4 +373,5 @@ class IngestService:
         )
 
     def _probe(self, stream: Stream) -> None:
+        stream.last_probe_at = time.monotonic()
         self._intake.submit(stream.ref.pod_id, ControlItem("probe", stream.ref), force=True)

@@ -76,6 +76,7 @@ class Stream:
         self.logged_state: str | None = None
         # Heard from (or connected) since the last probe: probe it once it has been quiet a while.
         self.active_since_probe = False
+        self.last_probe_at = 0.0
         # While its checks go unanswered (tracker.needs_check): when to probe next, and the interval.
         self.next_check_at = 0.0
         self.check_interval_s = 0.0
