@@ -1,9 +1,9 @@
 """The HTTP shell around the ingest pipeline (read through `IngestView`): app factory, routes, error middleware.
 
-Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz. Every error a client
-can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything unexpected is a logged 500, never
-a traceback to the client and never a crash of the server or of ingest. With an API key set, /v1/* needs
-it (api/auth.py).
+Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz, /openapi.json
+(api/openapi.py). Every error a client can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything
+unexpected is a logged 500, never a traceback to the client and never a crash of the server or of ingest.
+With an API key set, /v1/* needs it (api/auth.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import HttpVersion11, hdrs, web
 from kvindex.api.auth import api_key_middleware, refusal
 from kvindex.api.metrics import RequestMetrics, build_registry
+from kvindex.api.openapi import openapi_handler
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
@@ -190,6 +191,7 @@ def create_app(
             web.get("/metrics", handle_metrics),
             web.get("/healthz", handle_healthz),
             web.get("/readyz", handle_readyz),
+            web.get("/openapi.json", openapi_handler(bearer_auth=settings.api_key is not None)),
         ]
     )
     return app

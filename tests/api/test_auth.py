@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-from api_harness import ServerThread, start_service, wait_until_ingested
+from api_harness import ServerThread, raw_exchange, start_service, wait_until_ingested
 from engines import Engine
 from kvindex.api.settings import ApiKey, ApiSettings
 from kvindex.hashing import BlockHasher
@@ -115,7 +114,7 @@ def test_v1_with_the_key_is_served(server: ServerThread, authorization: str) -> 
     assert missing.status == 404 and missing.json()["error"].startswith("path:")
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/no-such-page"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/no-such-page"])
 def test_health_metrics_and_the_rest_stay_open(server: ServerThread, path: str) -> None:
     answer = call(server, "GET", path, None)
     assert answer.status == (404 if path == "/no-such-page" else 200), answer.body
@@ -146,46 +145,17 @@ def test_refusals_are_counted_by_route(server: ServerThread) -> None:
     assert refused_count() == before + 2
 
 
-async def raw_exchange(url: str, head: list[str | bytes], body: bytes = b"") -> tuple[list[int], bytes]:
-    """Send a request line and headers as given (bytes a client library would refuse included), then
-    `body`, unless the server answers first; return every status line's code and the final body."""
-    target = urllib.parse.urlsplit(url)
-    reader, writer = await asyncio.open_connection(target.hostname, target.port)
-    try:
-        lines = [line.encode("latin-1") if isinstance(line, str) else line for line in head]
-        lines += [f"Host: {target.netloc}".encode(), f"Content-Length: {len(body)}".encode()]
-        writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
-        expect100 = any(line.lower().startswith(b"expect:") for line in lines)
-        if not expect100:
-            writer.write(body)
-        statuses: list[int] = []
-        while True:
-            statuses.append(int((await reader.readline()).split()[1]))
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if statuses[-1] != 100:
-                break
-            writer.write(body)  # told to go on
-        return statuses, await reader.readexactly(int(headers["content-length"]))
-    finally:
-        # The server may refuse a body it never reads: drop the connection rather than flush it.
-        writer.transport.abort()
-        await writer.wait_closed()
-
-
 def test_expect_100_continue_without_the_key_is_refused_before_the_body(server: ServerThread) -> None:
     head: list[str | bytes] = [
         "POST /v1/score HTTP/1.1",
         "Content-Type: application/json",
         "Expect: 100-continue",
     ]
-    statuses, body = asyncio.run(raw_exchange(server.url, head, SCORE_BODY))
+    statuses, _, body = asyncio.run(raw_exchange(server.url, head, SCORE_BODY))
     assert statuses == [401]  # no 100 Continue: the body was never asked for
     assert json.loads(body)["error"].startswith("authorization: missing")
     # With the key: 100 Continue, then the score.
-    statuses, body = asyncio.run(
+    statuses, _, body = asyncio.run(
         raw_exchange(server.url, [*head, f"Authorization: Bearer {KEY}"], SCORE_BODY)
     )
     assert statuses == [100, 200]
@@ -194,7 +164,7 @@ def test_expect_100_continue_without_the_key_is_refused_before_the_body(server: 
 
 def test_header_bytes_that_are_not_utf8_are_a_401_not_a_500(server: ServerThread) -> None:
     head: list[str | bytes] = ["GET /v1/pods HTTP/1.1", b"Authorization: Bearer \xff\xfe" + KEY.encode()]
-    statuses, body = asyncio.run(raw_exchange(server.url, head))
+    statuses, _, body = asyncio.run(raw_exchange(server.url, head))
     assert statuses == [401]
     assert json.loads(body) == {"error": "authorization: wrong API key"}
 
