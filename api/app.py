@@ -1,8 +1,9 @@
 """The HTTP shell around the ingest pipeline (read through `IngestView`): app factory, routes, error middleware.
 
-Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz. Every error a client
-can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything unexpected is a logged 500, never
-a traceback to the client and never a crash of the server or of ingest.
+Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz, /openapi.json
+(api/openapi.py). Every error a client can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything
+unexpected is a logged 500, never a traceback to the client and never a crash of the server or of ingest.
+With an API key set, /v1/* needs it (api/auth.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from aiohttp import HttpVersion11, hdrs, web
+from kvindex.api.auth import api_key_middleware, refusal
 from kvindex.api.metrics import RequestMetrics, build_registry
+from kvindex.api.openapi import openapi_handler
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.status import IngestView
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Middleware
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +113,11 @@ async def expect_body_within_limit(request: web.Request) -> web.Response | None:
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version != HttpVersion11:
         return None
-    if expect.lower() != "100-continue":
+    api_key = request.app[SETTINGS].api_key
+    refused = refusal(request, api_key) if api_key is not None else None
+    if refused is not None:
+        response = refused  # before the body is sent, and before it learns our limits
+    elif expect.lower() != "100-continue":
         response = error_response(417, f"request: unknown Expect: {expect}")
     elif request.content_length is not None and request.content_length > request.app[SETTINGS].max_body_bytes:
         response = _body_too_large(request)
@@ -151,7 +162,10 @@ def create_app(
     `kvindex serve` does); otherwise the caller owns the service's lifetime.
     """
     settings = settings or ApiSettings()
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    middlewares: list[Middleware] = [error_middleware]
+    if settings.api_key is not None:
+        middlewares.append(api_key_middleware(settings.api_key))  # inside: its 401s are counted
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     registry, request_metrics = build_registry(service)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvindex-hash")
     app[SERVICE] = service
@@ -177,6 +191,7 @@ def create_app(
             web.get("/metrics", handle_metrics),
             web.get("/healthz", handle_healthz),
             web.get("/readyz", handle_readyz),
+            web.get("/openapi.json", openapi_handler(bearer_auth=settings.api_key is not None)),
         ]
     )
     return app

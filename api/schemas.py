@@ -20,7 +20,7 @@ MAX_BLOCK_HASH = 2**64 - 1  # event-form hashes are unsigned 64-bit
 
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 # msgspec cannot bound an int beyond int64, so the 2**64 ceiling is checked after decoding.
-EventBlockHash = Annotated[int, Meta(ge=0)]
+EventBlockHash = Annotated[int, Meta(ge=0, description="an event-form block hash: an unsigned 64-bit int")]
 
 
 class RequestError(ValueError):
@@ -74,7 +74,26 @@ class PodsResponse(msgspec.Struct, frozen=True):
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
+    """Every 4xx and 5xx: `<field>: <what is wrong>`, the field being the JSON path of the bad value."""
+
     error: str
+
+
+# The bodies of /healthz and /readyz, for the OpenAPI document: api/app.py's handlers send them as dicts,
+# and tests/api/test_openapi.py fails on any key they send that is not described here.
+class HealthBody(msgspec.Struct, frozen=True):
+    """`GET /healthz`: the process is up."""
+
+    status: Literal["ok"]
+
+
+class ReadyBody(msgspec.Struct, frozen=True):
+    """`GET /readyz`: 200 once at least `--min-live-pods` pods are live and no reachable pod is in its
+    first sync; else 503, with why in `error`."""
+
+    ready: bool
+    live_pods: int
+    error: str | msgspec.UnsetType = msgspec.UNSET
 
 
 SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)

@@ -75,6 +75,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the GIL switch interval (sys.setswitchinterval): shorter hands the GIL from ingest threads "
         "to the score path sooner (default 1; Python's own default is 5)",
     )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (health, readiness and metrics stay open); "
+        "default: the KVINDEX_API_KEY environment variable, then the config file's api_key, else none. "
+        "Prefer the variable: a flag shows in ps",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML file with models, pods, tiers, limits, ingest")
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log verbosity (default info)"
@@ -111,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
 def _log_settings(service: IngestService, config: ServeConfig) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
     logger.info("GIL switch interval %.3g ms", sys.getswitchinterval() * 1000)
+    if config.api_key_source is None:
+        logger.info("HTTP API: no API key, /v1/* is open to whoever reaches the port")
+    else:  # never the key itself
+        logger.info("HTTP API: /v1/* requires the API key (from %s)", config.api_key_source)
     for model in config.models:
         runtime = service.model(model.name)
         root = runtime.hasher.root.hex()[:16] if runtime is not None else "?"

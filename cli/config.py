@@ -1,7 +1,8 @@
 """Start-up edge of `kvindex serve`: flags + an optional TOML file -> frozen settings objects.
 
 Read once before anything starts: the models (ModelConfig), connect-mode pods (PodConfig), ingest
-settings (IngestSettings) and the HTTP API settings (ApiSettings). Flags override or extend the file.
+settings (IngestSettings) and the HTTP API settings (ApiSettings). Flags override or extend the file; the
+environment supplies PYTHONHASHSEED and KVINDEX_API_KEY.
 Every problem is a ConfigError carrying one sentence that says what to fix.
 """
 
@@ -17,6 +18,7 @@ from kvindex.api.settings import (
     DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS,
+    ApiKey,
     ApiSettings,
     default_tier_weights,
 )
@@ -31,6 +33,8 @@ DEFAULT_HTTP = "0.0.0.0:8080"
 # HTTP p99 during ingest (median of 6 cells, 2 runs x 3 request kinds, shared 2-core box): 5 ms 69 ms,
 # 1 ms 31 ms, 0.5 ms 67 ms (worst cell 300 / 44 / 509 ms); ingest events/s about the same.
 DEFAULT_SWITCH_INTERVAL_MS = 1.0
+# vLLM reads VLLM_API_KEY when --api-key is not given; ours is named for us, so one host can set both.
+API_KEY_ENV = "KVINDEX_API_KEY"
 
 
 class ConfigError(ValueError):
@@ -49,6 +53,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     # model name -> where its hash seed came from: "--hash-seed", "config file", "PYTHONHASHSEED" or
     # "unset: vLLM default" (logged at start-up so operators can check it against the engines).
     seed_sources: dict[str, str] = {}
+    # Where the API key came from ("--api-key", "KVINDEX_API_KEY" or "config file"); None: no key.
+    api_key_source: str | None = None
 
 
 # --- the TOML file, as written by an operator ------------------------------------------------------
@@ -100,6 +106,7 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     http: str | None = None
     min_live_pods: int | None = None
+    api_key: str | None = None
     listen: str | list[str] | None = None
     listen_replay: str | None = None
     log_level: str | None = None
@@ -197,6 +204,7 @@ class ServeArgs(Protocol):
     switch_interval_ms: float | None
     log_level: str | None
     min_live_pods: int | None
+    api_key: str | None
 
 
 def _min_live_pods(flag: int | None, file_value: int | None) -> int:
@@ -210,7 +218,8 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     """Merge the TOML file named by `args.config` (if any) with the flags; flags win.
 
     `args` is the parsed `kvindex serve` command line (an argparse.Namespace). `env` supplies PYTHONHASHSEED, the
-    default hash seed of every model whose seed is not given (unset -> vLLM's rule, None).
+    default hash seed of every model whose seed is not given (unset -> vLLM's rule, None), and
+    KVINDEX_API_KEY, the API key when --api-key is not given (it beats the file's `api_key`, as a flag would).
     """
     file = load_config_file(args.config) if args.config else _ConfigFile()
 
@@ -237,6 +246,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
             raise ConfigError(f"tiers.weights.{tier} must be >= 0, got {weight}")
     if tiers.unknown_weight < 0:
         raise ConfigError(f"tiers.unknown_weight must be >= 0, got {tiers.unknown_weight}")
+    api_key, api_key_source = _api_key(args.api_key, env.get(API_KEY_ENV), file.api_key)
     api = ApiSettings(
         host=host,
         port=port,
@@ -246,6 +256,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         unknown_tier_weight=tiers.unknown_weight,
         hash_in_executor_min_tokens=limits.hash_in_executor_min_tokens,
         min_live_pods=_min_live_pods(args.min_live_pods, file.min_live_pods),
+        api_key=api_key,
     )
 
     ingest_overrides = {
@@ -275,7 +286,37 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         api=api,
         log_level=log_level,
         seed_sources=seed_sources,
+        api_key_source=api_key_source,
     )
+
+
+def _api_key(
+    flag: str | None, env_value: str | None, file_value: str | None
+) -> tuple[ApiKey | None, str | None]:
+    """The API key and where it came from: --api-key, else KVINDEX_API_KEY, else the file's api_key
+    (vLLM takes --api-key, else VLLM_API_KEY).
+
+    An empty variable counts as unset (compose writes one for an undefined ${VAR}); an empty flag or file
+    value is refused rather than read as "no key". No message repeats the key.
+    """
+    candidates = [
+        (flag, "--api-key", "--api-key"),
+        (env_value or None, API_KEY_ENV, API_KEY_ENV),
+        (file_value, "config file", "the config file's api_key"),
+    ]
+    for value, source, name in candidates:
+        if value is None:
+            continue
+        if not value:
+            raise ConfigError(f"{name} is empty; leave it out to serve /v1/* without an API key")
+        if value != value.strip():
+            raise ConfigError(
+                f"{name} starts or ends with whitespace, which HTTP strips from a header: no client could send it"
+            )
+        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+            raise ConfigError(f"{name} contains a control character, which an HTTP header cannot carry")
+        return ApiKey(value), source
+    return None, None
 
 
 def _first_given(*values: float | None) -> float:

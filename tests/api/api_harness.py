@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,3 +137,35 @@ def start_service(models: Sequence[ModelConfig], engines: Sequence[Engine]) -> I
     service.start()
     wait_for(service.ready, what="the ingest service to finish its initial sync")
     return service
+
+
+async def raw_exchange(
+    url: str, head: list[str | bytes], body: bytes = b""
+) -> tuple[list[int], dict[str, str], bytes]:
+    """Send a request line and headers as given (bytes a client library would refuse included), then
+    `body`, unless the server answers first; return every status line's code, and the final answer's
+    headers (lower-case names) and body."""
+    target = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(target.hostname, target.port)
+    try:
+        lines = [line.encode("latin-1") if isinstance(line, str) else line for line in head]
+        lines += [f"Host: {target.netloc}".encode(), f"Content-Length: {len(body)}".encode()]
+        writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
+        expect100 = any(line.lower().startswith(b"expect:") for line in lines)
+        if not expect100:
+            writer.write(body)
+        statuses: list[int] = []
+        while True:
+            statuses.append(int((await reader.readline()).split()[1]))
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if statuses[-1] != 100:
+                break
+            writer.write(body)  # told to go on
+        return statuses, headers, await reader.readexactly(int(headers["content-length"]))
+    finally:
+        # The server may refuse a body it never reads: drop the connection rather than flush it.
+        writer.transport.abort()
+        await writer.wait_closed()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -96,6 +97,58 @@ def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 
     threading.Thread(target=pump, name="serve-stderr", daemon=True).start()
     return lines
+
+
+def status_of(url: str, *, authorization: str | None = None, body: bytes | None = None) -> int:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=body, headers=headers), timeout=10
+        ) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return exc.code
+
+
+def test_serve_api_key_flag_beats_the_variable_and_neither_is_logged(engine: EventPublisher) -> None:
+    """`kvindex serve --api-key` with KVINDEX_API_KEY also set, at debug level (access log on): the flag's
+    key opens /v1/*, the variable's does not, health stays open, and stderr never shows either key."""
+    flag_key, env_key = "kvi-flag-7c1d0e9f3a5b", "kvi-env-2b8e6f4d1c0a"
+    pod = f"pod-a={engine.endpoint},replay={engine.replay_endpoint}"
+    argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m", "--pod", pod]
+    argv += ["--api-key", flag_key, "--log-level", "debug"]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "KVINDEX_API_KEY": env_key}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = stderr_lines(proc)
+    try:
+        line = read_line(proc, 30.0)
+        assert line.startswith(LISTENING), line
+        url = line[len(LISTENING) :].strip()
+        score_body = json.dumps({"model": "m", "token_ids": TOKENS}).encode()
+        assert status_of(url + "/healthz") == 200
+        assert status_of(url + "/metrics") == 200
+        assert status_of(url + "/v1/pods") == 401
+        assert status_of(url + "/v1/pods", authorization=f"Bearer {env_key}") == 401
+        assert status_of(url + "/v1/score", authorization=f"Bearer {env_key}", body=score_body) == 401
+        assert status_of(url + "/v1/pods", authorization=f"Bearer {flag_key}") == 200
+        assert status_of(url + "/v1/score", authorization=f"Bearer {flag_key}", body=score_body) == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    stderr: list[str] = []
+    while (text := lines.get(timeout=10)) != "":
+        stderr.append(text)
+    log = "".join(stderr)
+    assert "HTTP API: /v1/* requires the API key (from --api-key)" in log
+    assert '"POST /v1/score HTTP/1.1" 401' in log  # the access log saw the refused requests ...
+    assert flag_key not in log and env_key not in log  # ... and neither key
+    assert "Traceback" not in log
 
 
 def test_serve_binds_one_listen_per_dp_rank() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -212,6 +213,54 @@ def test_seed_source_of_each_model(tmp_path: Path) -> None:
     assert {m.name: m.hash_seed for m in flagged.models} == {"a": "1", "b": "5"}
 
 
+def test_api_key_from_the_flag_the_environment_or_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "api_key = 'key-from-file'\n[[models]]\nname = 'm'\n")
+    base = ["--config", path, "--listen", "tcp://*:5557"]
+    env_key = {"KVINDEX_API_KEY": "key-from-env"}
+    cases = [
+        ([], {}, "key-from-file", "config file"),
+        ([], env_key, "key-from-env", "KVINDEX_API_KEY"),
+        (["--api-key", "key-from-flag"], env_key, "key-from-flag", "--api-key"),  # the flag wins
+        ([], {"KVINDEX_API_KEY": ""}, "key-from-file", "config file"),  # an empty variable is unset
+    ]
+    for flags, env, key, source in cases:
+        config = build([*base, *flags], env)
+        assert config.api.api_key is not None and config.api.api_key.matches(key), (flags, env)
+        assert config.api_key_source == source
+        assert key not in repr(config)
+    # Without the file: the variable, or no key at all.
+    bare = ["--model", "m", "--listen", "tcp://*:5557"]
+    from_env = build(bare, env_key)
+    assert from_env.api.api_key is not None and from_env.api.api_key.matches("key-from-env")
+    assert not from_env.api.api_key.matches("key-from-file")
+    open_config = build(bare)
+    assert (open_config.api.api_key, open_config.api_key_source) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml_key", "message"),
+    [
+        (["--api-key", ""], {}, None, "--api-key is empty"),
+        ([], {}, "", "the config file's api_key is empty"),
+        (["--api-key", " s3cret-key"], {}, None, "--api-key starts or ends with whitespace"),
+        ([], {"KVINDEX_API_KEY": "s3cret-key\n"}, None, "KVINDEX_API_KEY starts or ends with whitespace"),
+        ([], {"KVINDEX_API_KEY": "s3cret\x00key"}, None, "KVINDEX_API_KEY contains a control character"),
+        ([], {}, "s3cret\tkey", "the config file's api_key contains a control character"),
+    ],
+    ids=["empty flag", "empty in file", "space", "newline", "nul", "tab"],
+)
+def test_unusable_api_keys_are_refused_without_repeating_them(
+    tmp_path: Path, argv: list[str], env: dict[str, str], toml_key: str | None, message: str
+) -> None:
+    toml = "[[models]]\nname = 'm'\n"
+    if toml_key is not None:
+        toml = f"api_key = {json.dumps(toml_key)}\n{toml}"  # a basic string: TOML decodes its escapes
+    with pytest.raises(ConfigError) as raised:
+        build(["--config", write(tmp_path, toml), "--listen", "tcp://*:5557", *argv], env)
+    assert str(raised.value).startswith(message)
+    assert "s3cret" not in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -252,6 +301,8 @@ BAD_CONFIGS = [
     (None, ["--model", "m", "--listen-replay", "tcp://{pod}:1", "--pod", "p=tcp://h:1"], "--listen"),
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{dp_rank}:1"], "{pod}"),
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{pod:1"], "{model}"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1", "--api-key", ""], "--api-key"),
+    ("api_key = 5\n[[models]]\nname = 'x'", ["--pod", "p=tcp://h:1"], "api_key"),
 ]
 
 
@@ -265,6 +316,7 @@ def test_config_errors_are_one_sentence_and_exit_2(
     word: str,
 ) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("KVINDEX_API_KEY", raising=False)
     if toml_text is not None:
         argv = ["--config", write(tmp_path, toml_text), *argv]
     assert main(["serve", *argv]) == 2
