@@ -1,7 +1,8 @@
 """The HTTP shell around the ingest pipeline (read through `IngestView`): app factory, routes, error middleware.
 
 Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz, /openapi.json
-(api/openapi.py). Every error a client can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything
+(api/openapi.py), and the status page (api/status_page.py): GET / and /ui, and the JSON it polls, GET
+/v1/status. Every error a client can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything
 unexpected is a logged 500, never a traceback to the client and never a crash of the server or of ingest.
 With an API key set, /v1/* needs it (api/auth.py).
 """
@@ -21,6 +22,7 @@ from kvindex.api.openapi import openapi_handler
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
+from kvindex.api.status_page import StatusPage
 from kvindex.indexer.status import IngestView
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
@@ -184,6 +186,7 @@ def create_app(
         app.cleanup_ctx.append(_own_service)
 
     score = ScoreHandler(service, settings, request_metrics, executor)
+    status_page = StatusPage(service, request_metrics)
     app.router.add_routes(
         [
             web.post("/v1/score", score.handle, expect_handler=expect_body_within_limit),
@@ -192,6 +195,9 @@ def create_app(
             web.get("/healthz", handle_healthz),
             web.get("/readyz", handle_readyz),
             web.get("/openapi.json", openapi_handler(bearer_auth=settings.api_key is not None)),
+            web.get("/", status_page.handle_page),
+            web.get("/ui", status_page.handle_page),
+            web.get("/v1/status", status_page.handle_status),
         ]
     )
     return app
