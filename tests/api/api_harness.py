@@ -106,7 +106,8 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
+        """Stop serving and join the thread (again: nothing to do)."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(15.0)
 
