@@ -23,13 +23,14 @@ from kvindex.api.schemas import (
     ReadyBody,
     ScoreRequest,
     ScoreResponse,
+    StatusResponse,
 )
 
 OPENAPI_VERSION = "3.1.0"  # its schema dialect is JSON Schema 2020-12, which msgspec emits
 REF_TEMPLATE = "#/components/schemas/{name}"
 BEARER_SCHEME = "bearerAuth"
 REQUEST_TYPES = (ScoreRequest,)
-RESPONSE_TYPES = (ScoreResponse, PodsResponse, ErrorBody, HealthBody, ReadyBody)
+RESPONSE_TYPES = (ScoreResponse, PodsResponse, ErrorBody, HealthBody, ReadyBody, StatusResponse)
 
 
 def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
     refs, schemas = msgspec.json.schema_components(
         (*REQUEST_TYPES, *RESPONSE_TYPES), ref_template=REF_TEMPLATE
     )
-    score_request, score_response, pods_response, error_body, health_body, ready_body = refs
+    score_request, score_response, pods_response, error_body, health_body, ready_body, status_response = refs
     _require_what_is_always_sent(schemas)
 
     def json_body(description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +46,11 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
 
     def error(description: str) -> dict[str, Any]:
         return json_body(description, error_body)
+
+    def status_page(operation_id: str) -> dict[str, Any]:
+        html = {"description": "one HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}
+        summary = "The status page, for people (it polls /v1/status)"
+        return {"get": {"operationId": operation_id, "summary": summary, "responses": {"200": html}}}
 
     protected: dict[str, Any] = {}
     auth_errors: dict[str, Any] = {}
@@ -86,6 +92,20 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
                 **protected,
             }
         },
+        "/v1/status": {
+            "get": {
+                "operationId": "status",
+                "summary": "What the status page shows: the pods as /v1/pods, totals, the score histograms",
+                "responses": {
+                    "200": json_body("pods, totals, and the registry's score histograms", status_response),
+                    **auth_errors,
+                    "default": error("any other error"),
+                },
+                **protected,
+            }
+        },
+        "/": status_page("status_page"),
+        "/ui": status_page("status_page_ui"),
         "/healthz": {
             "get": {
                 "operationId": "healthz",

@@ -96,6 +96,40 @@ class ReadyBody(msgspec.Struct, frozen=True):
     error: str | msgspec.UnsetType = msgspec.UNSET
 
 
+class HistogramBucket(msgspec.Struct, frozen=True):
+    le: float | None  # upper bound; None is +Inf
+    count: int  # observations <= le (cumulative, as Prometheus)
+
+
+class HistogramSummary(msgspec.Struct, frozen=True):
+    """A request-path histogram as the app's registry holds it (the numbers /metrics exposes)."""
+
+    count: int
+    sum: float
+    buckets: list[HistogramBucket]  # ascending, the +Inf bucket last
+
+
+class StatusTotals(msgspec.Struct, frozen=True):
+    streams: int
+    states: dict[str, int]  # every state, 0 included
+    blocks: int
+    events_total: int
+    gaps_total: int
+    replays_total: int
+    hash_mismatches_total: int
+    restarts_total: int
+    dropped_total: int  # events or messages dropped, every reason (kvindex_events_dropped_total)
+
+
+class StatusResponse(msgspec.Struct, frozen=True):
+    """`GET /v1/status`, what the status page polls: the pods as /v1/pods, totals, score histograms."""
+
+    pods: list[PodStatus]
+    totals: StatusTotals
+    score_latency_seconds: HistogramSummary
+    score_matched_blocks: HistogramSummary
+
+
 SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
 JSON_ENCODER = msgspec.json.Encoder()
 

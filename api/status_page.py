@@ -1,21 +1,21 @@
 """The operator's view: `GET /` and `GET /ui` serve one static HTML page (api/static/status.html) that
 polls `GET /v1/status` and draws the fleet at a glance.
 
-`/v1/status` reads what the server already has: the pods' statuses (as `/v1/pods`), totals over them,
-and the score histograms as the app's Prometheus registry holds them (cumulative buckets, as `/metrics`
-exposes them). Rates and quantiles are the page's business: it diffs successive readings, so the
-server keeps no history for it.
+`/v1/status` (api/schemas.py's StatusResponse) reads what the server already has: the pods' statuses
+(as `/v1/pods`), totals over them, and the score histograms as the app's Prometheus registry holds them
+(cumulative buckets, as `/metrics` exposes them). Rates and quantiles are the page's business: it diffs
+successive readings, so the server keeps no history for it. With an API key set, /v1/status needs it
+like all of /v1 (api/auth.py); the page asks for it and keeps it for the browser tab only.
 """
 
 from __future__ import annotations
 
 from importlib import resources
 
-import msgspec
 from aiohttp import web
-from kvindex.api.metrics import POD_STATES, RequestMetrics
-from kvindex.api.schemas import JSON_ENCODER
-from kvindex.indexer.status import IngestView, PodStatus
+from kvindex.api.metrics import RequestMetrics
+from kvindex.api.schemas import JSON_ENCODER, HistogramBucket, HistogramSummary, StatusResponse, StatusTotals
+from kvindex.indexer.status import ALL_STATES, IngestView, PodStatus
 from prometheus_client import Histogram
 
 # The page needs nothing from anywhere but this server: the policy makes a CDN link fail, not load.
@@ -28,46 +28,18 @@ _PAGE_HEADERS = {
 }
 
 
-class Bucket(msgspec.Struct, frozen=True):
-    le: float | None  # upper bound; None is +Inf
-    count: int  # observations <= le (cumulative, as Prometheus)
-
-
-class HistogramSummary(msgspec.Struct, frozen=True):
-    count: int
-    sum: float
-    buckets: list[Bucket]  # ascending, the +Inf bucket last
-
-
-class StatusTotals(msgspec.Struct, frozen=True):
-    streams: int
-    states: dict[str, int]  # every state, 0 included
-    blocks: int
-    events_total: int
-    gaps_total: int
-    replays_total: int
-    hash_mismatches_total: int
-    restarts_total: int
-    dropped_total: int  # events or messages dropped, every reason (kvindex_events_dropped_total)
-
-
-class StatusResponse(msgspec.Struct, frozen=True):
-    pods: list[PodStatus]
-    totals: StatusTotals
-    score_latency_seconds: HistogramSummary
-    score_matched_blocks: HistogramSummary
-
-
 def histogram_summary(histogram: Histogram) -> HistogramSummary:
     """The histogram as the registry holds it: its `_bucket`, `_count` and `_sum` samples."""
-    buckets: list[Bucket] = []
+    buckets: list[HistogramBucket] = []
     count = 0
     total = 0.0
     for metric in histogram.collect():
         for sample in metric.samples:
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
-                buckets.append(Bucket(le=None if le == float("inf") else le, count=int(sample.value)))
+                buckets.append(
+                    HistogramBucket(le=None if le == float("inf") else le, count=int(sample.value))
+                )
             elif sample.name.endswith("_count"):
                 count = int(sample.value)
             elif sample.name.endswith("_sum"):
@@ -76,7 +48,7 @@ def histogram_summary(histogram: Histogram) -> HistogramSummary:
 
 
 def status_totals(pods: list[PodStatus], dropped_total: int) -> StatusTotals:
-    states = dict.fromkeys(POD_STATES, 0)
+    states = dict.fromkeys(ALL_STATES, 0)
     for pod in pods:
         states[pod.state] = states.get(pod.state, 0) + 1
     return StatusTotals(

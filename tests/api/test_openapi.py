@@ -161,6 +161,9 @@ KEYED_EXCHANGES: list[tuple[str, str, str, Any, int]] = [
     ("model omitted with two models", "post", "/v1/score", {"token_ids": [1]}, 400),
     ("unknown model", "post", "/v1/score", {"model": "gpt-9", "token_ids": TOKENS}, 404),
     ("pods", "get", "/v1/pods", None, 200),
+    ("status", "get", "/v1/status", None, 200),
+    ("status page", "get", "/", None, 200),
+    ("status page at /ui", "get", "/ui", None, 200),
     ("healthz", "get", "/healthz", None, 200),
     ("readyz", "get", "/readyz", None, 200),
     ("metrics", "get", "/metrics", None, 200),
@@ -239,6 +242,15 @@ def test_real_answers_match_the_served_schemas(servers: Servers) -> None:
         close=True,
     )
     seen.add(("/v1/pods", "get", "401"))
+    refused = asyncio.run(send("get", servers.keyed.url + "/v1/status", auth=False))
+    assert refused.status == 401
+    validate(
+        document,
+        response_schema(document, "/v1/status", "get", 401, refused.media_type),
+        decoded(refused),
+        close=True,
+    )
+    seen.add(("/v1/status", "get", "401"))
     refused = asyncio.run(
         send("post", servers.keyed.url + "/v1/score", json_body={"token_ids": TOKENS}, auth=False)
     )
