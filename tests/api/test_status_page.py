@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from api_harness import ServerThread, start_service, wait_until_ingested
 from engines import Engine
+from kvindex.api.settings import ApiKey, ApiSettings
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
@@ -218,6 +219,34 @@ def test_page_shows_the_live_fleet_and_a_killed_pod_turning_disconnected(
         expect(page.locator("body")).to_have_class("stale")
     finally:
         page.close()
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_sends_it(fleet: Fleet, browser: Browser) -> None:
+    """The page is outside /v1 and opens without the key; the /v1/status it polls needs it."""
+    keyed = ServerThread(
+        fleet.service, ApiSettings(host="127.0.0.1", port=0, api_key=ApiKey("k-123"))
+    ).start()
+    try:
+        page, errors = open_page(browser, keyed.url + "/")
+        try:
+            form = page.locator("#key")
+            expect(form).to_be_visible(timeout=WAIT_MS)
+            expect(page.locator("#banner")).to_contain_text("an API key is needed")
+            form.locator("input").fill("wrong")
+            form.locator("button").click()
+            expect(page.locator("#banner")).to_contain_text("that API key was refused", timeout=WAIT_MS)
+            form.locator("input").fill("k-123")
+            form.locator("button").click()
+            for engine in fleet.engines:
+                expect_state(page, engine, "live", "ok", LIVE_GREEN)
+            expect(form).to_be_hidden()
+            expect(page.locator("#banner")).to_be_hidden()
+            # Chromium logs each refused fetch ("... status of 401"); nothing else may go wrong.
+            assert [e for e in errors if "status of 401" not in e] == []
+        finally:
+            page.close()
+    finally:
+        keyed.stop()
 
 
 def test_page_quantiles_follow_prometheus_histogram_quantile(fleet: Fleet, browser: Browser) -> None:
