@@ -447,7 +447,8 @@ class ModeResult(msgspec.Struct):
     frames_sent: int = 0
     good_sent: int = 0
     seen: int = 0  # messages the subscriber read (hostile and good)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the whole mode: processes, sockets, joins, checks
+    ingest_s: float = 0.0  # from the first hostile frame until everything sent was seen and applied
     send_s: float = 0.0
     send_waits: int = 0
     kinds: dict[str, int] = {}
@@ -644,6 +645,7 @@ def run_mode(
             _await(settled, SETTLE_TIMEOUT_S, "every frame seen and the good pods' last batches applied")
         except TimeoutError as exc:
             result.failures.append(str(exc))
+        result.ingest_s = time.perf_counter() - flood_start
         universe = set().union(*(e.ever for e in engines), victims)
         try:  # a worker may still be applying what it gathered with the last batch
             _await(lambda: good_pods_exact(index, engines, universe), 10, "the good pods' entries")
@@ -700,15 +702,26 @@ def run_mode(
     return result
 
 
-def drop_mismatches(dropped: dict[str, int], expected: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(reason, counted, deserved) wherever the service's drop counts differ from the hostile side's."""
-    return [
-        (reason, dropped.get(reason, 0), expected.get(reason, 0))
-        for reason in sorted(set(dropped) | set(expected))
-        # queue_full also counts the watch thread's quiet probes (not frames) when a queue is full; a frame
-        # dropped there would show as a shortfall in the reasons its payload deserves.
-        if reason != "queue_full" and dropped.get(reason, 0) != expected.get(reason, 0)
-    ]
+def drop_mismatches(dropped: dict[str, int], expected: dict[str, int]) -> list[str]:
+    """What is wrong with the service's drop counts against the hostile side's tally ([]: nothing).
+
+    Exact, but for one reason: a worker queue that stays full for queue_full_wait_s makes the poller drop
+    messages under `queue_full` (counted, as the rules want). It also counts dropped quiet probes, so it
+    is not compared itself; when it is non-zero the other reasons may fall short, by no more batches
+    (the batch-level decode_* reasons) than it counts.
+    """
+    queue_full = dropped.get("queue_full", 0)
+    problems = []
+    missing_batches = 0
+    for reason in sorted((set(dropped) | set(expected)) - {"queue_full"}):
+        got, want = dropped.get(reason, 0), expected.get(reason, 0)
+        if got > want or (got < want and not queue_full):
+            problems.append(f"dropped[{reason}] = {got:,}, the frames sent deserve {want:,}")
+        elif reason.startswith("decode_"):
+            missing_batches += want - got
+    if missing_batches > queue_full:
+        problems.append(f"{missing_batches:,} unreadable batches not counted, only {queue_full:,} queue_full")
+    return problems
 
 
 def _check(result: ModeResult) -> None:
@@ -722,8 +735,7 @@ def _check(result: ModeResult) -> None:
         failures.append(f"{lost:,} messages sent and not seen by the subscriber (negative: seen, not sent)")
     if not sum(result.dropped.values()):
         failures.append("nothing was counted as dropped")
-    for reason, got, want in drop_mismatches(result.dropped, result.expected_dropped):
-        failures.append(f"dropped[{reason}] = {got:,}, the frames sent deserve {want:,}")
+    failures += drop_mismatches(result.dropped, result.expected_dropped)
 
 
 # --- the command -----------------------------------------------------------------------------------------
@@ -748,12 +760,14 @@ def summary_table(results: Sequence[ModeResult]) -> str:
                 "yes" if r.good_exact else "NO",
                 "yes" if r.threads_alive else "NO",
                 _fmt(sum(r.exceptions.values())),
+                _fmt(round(r.frames_sent / r.ingest_s)) if r.ingest_s else "-",
+                f"{r.ingest_s:.1f}",
                 f"{r.wall_s:.1f}",
             ]
         )
     headers = [
         "mode", "hostile sent", "good sent", "seen by SUB", "lost", "send waits", "streams", "good exact",
-        "threads alive", "exceptions", "wall s",
+        "threads alive", "exceptions", "frames/s", "ingest s", "wall s",
     ]  # fmt: skip
     return format_table(headers, rows)
 
@@ -765,7 +779,7 @@ def drops_table(results: Sequence[ModeResult]) -> str:
         row: list[object] = [reason]
         for r in results:
             got, want = r.dropped.get(reason, 0), r.expected_dropped.get(reason, 0)
-            row += [_fmt(got), "=" if got == want else f"expected {want:,}"]
+            row += [_fmt(got), "=" if got == want else "" if reason == "queue_full" else f"{got - want:+,}"]
         rows.append(row)
     headers = ["dropped by reason"]
     for r in results:

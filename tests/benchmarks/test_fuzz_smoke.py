@@ -13,7 +13,7 @@ from kvindex.indexer.decode import DecodeError, decode_batch
 from kvindex.indexer.ingest.intake import parse_topic
 from kvindex.replay.frames import END_SEQ_BYTES, FrameError, encode_seq, parse_live, parse_replay
 
-from benchmarks.fuzz import PORT_TEMPLATE, main, run_mode
+from benchmarks.fuzz import PORT_TEMPLATE, drop_mismatches, main, run_mode
 from benchmarks.fuzz_frames import (
     MODEL_NAMES,
     PAYLOAD_KINDS,
@@ -159,3 +159,17 @@ def test_the_command_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for heading in ("hostile sent", "dropped by reason", "counter", "mutation", "all checks passed"):
         assert heading in out
+
+
+def test_drop_counts_must_match_exactly_unless_a_queue_overflowed() -> None:
+    expected = {"bad_seq": 3, "decode_not_msgpack": 5, "malformed_event": 7}
+    assert drop_mismatches(dict(expected), expected) == []
+    assert drop_mismatches({**expected, "bad_seq": 2}, expected) == [
+        "dropped[bad_seq] = 2, the frames sent deserve 3"
+    ]
+    assert drop_mismatches({**expected, "bad_topic": 1}, expected) != []
+    # Two messages dropped at a full queue (counted there): their payloads' reasons fall short.
+    short = {**expected, "decode_not_msgpack": 4, "malformed_event": 2, "queue_full": 2}
+    assert drop_mismatches(short, expected) == []
+    assert drop_mismatches({**short, "decode_not_msgpack": 2}, expected) != []  # 3 batches short, 2 dropped
+    assert drop_mismatches({**short, "malformed_event": 8}, expected) != []  # more than deserved: never
