@@ -1,8 +1,8 @@
 """Streams that misbehave, as benchmarks/fuzz.py found them: what the worker must count, and must not let
 escape. Raw XPUB sockets on 127.0.0.1 send exactly the frames of each case.
 
-Both cases are open bugs in indexer/ingest/worker.py (strict xfail: these tests fail loudly once fixed, so
-the marker goes with the fix)."""
+The dp-rank case is an open bug in indexer/ingest/worker.py (strict xfail: the test fails loudly once it
+is fixed, so the marker goes with the fix)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from ingest_support import wait_for
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.replay.publisher import encode_batch
 from kvindex.replay.wire import AllBlocksCleared, KVEventBatch
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -69,12 +69,9 @@ def test_a_batch_naming_dp_rank_1_makes_its_stream_whatever_the_replay_template(
         service.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker._perform snapshots the tracker's gap and duplicate counts after tracker.on_live has "
-    "already counted the live message (and never for a live duplicate): counters().gaps stays 0",
-)
 def test_process_counters_count_the_gaps_and_duplicates_of_live_messages(xpub: zmq.Socket[bytes]) -> None:
+    # Found on 1b3d3db (counters().gaps stayed 0: the worker snapshot the tracker after on_live); main's
+    # counters now sync from the tracker's totals.
     xpub.bind("tcp://127.0.0.1:0")
     endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
     service = IngestService([ModelConfig("m")], [PodConfig("pod-a", endpoint, "m")])
