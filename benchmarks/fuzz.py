@@ -73,9 +73,10 @@ from benchmarks.fuzz_frames import (
 
 # Bind mode: the good pods' replay ROUTERs are reached through the pod id, which is their port.
 PORT_TEMPLATE = "tcp://127.0.0.1:{pod}"
-# Bind mode: hostile sockets replaced by new connections during the run (each new peer makes kvindex
-# verify every bind-mode stream at its next message).
-NUM_BIND_RECONNECTS = 6
+# Hostile engines that restart during the run: connect mode rebinds a hostile PUB on its address (kvindex
+# reconnects and checks the pod's ring), bind mode replaces a hostile socket by a new connection (kvindex
+# stops trusting every bind-mode stream's next unexpected seq).
+NUM_RESTARTS = 6
 GOOD_INTERVAL_S = 0.002  # a good engine step every 2 ms while the hostile frames flow
 SEND_CHUNK = 256  # frames generated at once, then sent
 SETTLE_TIMEOUT_S = 120.0
@@ -227,6 +228,34 @@ def _await_subscription(sock: zmq.Socket[bytes], router: GarbageRouter | None) -
     sock.recv()
 
 
+def _restart_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    sock: zmq.Socket[bytes],
+    endpoint: str,
+    mode: str,
+    router: GarbageRouter | None,
+) -> zmq.Socket[bytes]:
+    """A hostile engine goes and comes back: bound again on its address (connect mode: kvindex dials it
+    again) or a new connection to kvindex's (bind mode). The old socket lingers until what it holds is
+    sent."""
+    sock.close(linger=60_000)
+    new = _new_xpub(ctx)
+    if mode == "bind":
+        new.connect(endpoint)
+    else:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                new.bind(endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                _wait_serving(router, new, 0.05)  # the old listener is released asynchronously
+    _await_subscription(new, router)
+    return new
+
+
 def hostile_main(conn: multiprocessing.connection.Connection, plan_builtins: dict[str, Any]) -> None:
     """The hostile senders, in their own process (spawned: no state shared with kvindex's)."""
     plan = msgspec.convert(plan_builtins, HostilePlan)
@@ -268,8 +297,10 @@ def _hostile_run(
                 )
             pods.append((pod_id, sock.getsockopt_string(zmq.LAST_ENDPOINT), replay))
         conn.send(pods)
+        endpoints = [endpoint for _, endpoint, _ in pods]
     else:
         listen: str = conn.recv()
+        endpoints = [listen] * NUM_BIND_SOCKETS
         for _ in range(NUM_BIND_SOCKETS):
             sock = _new_xpub(ctx)
             sock.connect(listen)
@@ -287,21 +318,17 @@ def _hostile_run(
         return
 
     router_target = len(CONNECT_HOSTILE_PODS) - 1
-    reconnect_at = {
-        plan.num_frames * (i + 1) // (NUM_BIND_RECONNECTS + 1) for i in range(NUM_BIND_RECONNECTS)
-    }
+    restart_at = {plan.num_frames * (i + 1) // (NUM_RESTARTS + 1) for i in range(NUM_RESTARTS)}
     start = time.perf_counter()
     sent = 0
     while sent < plan.num_frames:
         chunk = [fuzzer.message() for _ in range(min(SEND_CHUNK, plan.num_frames - sent))]
         for message in chunk:
-            if plan.mode == "bind" and sent in reconnect_at:
-                # A hostile engine goes and a new one dials in. Linger: what the old socket still holds is sent.
+            if sent in restart_at:
                 index = sent % len(sockets)
-                sockets[index].close(linger=60_000)
-                sockets[index] = _new_xpub(ctx)
-                sockets[index].connect(listen)
-                _await_subscription(sockets[index], router)
+                sockets[index] = _restart_socket(ctx, sockets[index], endpoints[index], plan.mode, router)
+                if plan.mode == "connect":
+                    fuzzer.restart(index)  # its seqs start at 0 again (bind mode: per topic, they go on)
             frames = message.frames
             kinds[message.kind] += 1
             kinds.update(message.extra)
@@ -505,8 +532,14 @@ def _await_sent(conn: multiprocessing.connection.Connection, subscriber: Subscri
 
 
 def _threads_alive(service: IngestService) -> bool:
-    """The service's own poller, workers and watch thread (its private handles: not part of IngestView)."""
-    threads = [service._subscriber._thread, *service._queues._threads, service._watch_thread]
+    """The service's own poller, replay fetcher, workers and watch thread (its private handles: not part
+    of IngestView)."""
+    threads = [
+        service._subscriber._thread,
+        service._fetcher._thread,
+        *service._queues._threads,
+        service._watch_thread,
+    ]
     return all(thread is not None and thread.is_alive() for thread in threads)
 
 

@@ -535,6 +535,11 @@ class Fuzzer:
             extra.append(frames_kind)
         return Message(kind=kind, extra=tuple(extra), target=target, frames=frames)
 
+    def restart(self, target: int) -> None:
+        """Connect mode: the hostile engine behind `target` restarted; its seqs start again at 0."""
+        self._next_seq.pop(target, None)
+        self._last_seq.pop(target, None)
+
     def _seq_frame(self, sender: object, may_mutate: bool, extra: list[str]) -> bytes:
         rng = self.rng
         seq = self._next_seq.get(sender, 0)
