@@ -489,6 +489,7 @@ class ModeResult(msgspec.Struct):
     log_levels: dict[str, int] = {}
     counters: dict[str, Any] = {}
     num_streams: int = 0
+    rss_mb: float = 0.0  # this process (kvindex and the good engines) once everything was applied
     replay_requests: int = 0
     replay_silences: int = 0
     failures: list[str] = []
@@ -496,6 +497,11 @@ class ModeResult(msgspec.Struct):
     @property
     def ok(self) -> bool:
         return not self.failures
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _free_port() -> int:
@@ -709,6 +715,7 @@ def run_mode(
         result.dropped = counters.dropped
         result.counters = msgspec.to_builtins(counters)
         result.num_streams = len(service.pod_statuses())
+        result.rss_mb = _rss_bytes() / 2**20
         _check(result)
     finally:
         if child is not None:
@@ -790,6 +797,7 @@ def summary_table(results: Sequence[ModeResult]) -> str:
                 _fmt(r.frames_sent + r.good_sent - r.seen),
                 _fmt(r.send_waits),
                 _fmt(r.num_streams),
+                f"{r.rss_mb:,.0f}",
                 "yes" if r.good_exact else "NO",
                 "yes" if r.threads_alive else "NO",
                 _fmt(sum(r.exceptions.values())),
@@ -799,8 +807,8 @@ def summary_table(results: Sequence[ModeResult]) -> str:
             ]
         )
     headers = [
-        "mode", "hostile sent", "good sent", "seen by SUB", "lost", "send waits", "streams", "good exact",
-        "threads alive", "exceptions", "frames/s", "ingest s", "wall s",
+        "mode", "hostile sent", "good sent", "seen by SUB", "lost", "send waits", "streams", "RSS MB",
+        "good exact", "threads alive", "exceptions", "frames/s", "ingest s", "wall s",
     ]  # fmt: skip
     return format_table(headers, rows)
 
