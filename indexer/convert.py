@@ -65,15 +65,25 @@ def block_keys(block_hashes: Sequence[wire.ExternalBlockHash]) -> tuple[int, ...
     return tuple(block_key(h) for h in keys)
 
 
-def _freeze(value: Any) -> Any:
+# NOTE: vLLM's extra keys are shallow (per block: LoRA name, (mm identifier, offset), salt, digest); a
+# few hundred levels of nesting (a few hundred bytes on the wire) would exhaust Python's recursion limit
+# below, so deeper values are refused as the event's fault.
+MAX_EXTRA_KEYS_DEPTH = 32
+
+
+def _freeze(value: Any, depth: int = 0) -> Any:
     """Lists (msgpack arrays) to tuples, recursively, so extra keys are hashable."""
     if isinstance(value, list):
-        return tuple(_freeze(item) for item in value)
+        if depth >= MAX_EXTRA_KEYS_DEPTH:
+            raise ConvertError("too_deep", f"extra keys nested deeper than {MAX_EXTRA_KEYS_DEPTH} levels")
+        return tuple(_freeze(item, depth + 1) for item in value)
     return value
 
 
 def convert_extra_keys(extra_keys: list[Any] | None) -> tuple[object, ...] | None:
-    """vLLM's per-block extra keys, hashable; a plain request's `[nil, ...]` stays all None."""
+    """vLLM's per-block extra keys, hashable; a plain request's `[nil, ...]` stays all None.
+
+    Raises ConvertError("too_deep") for entries nested deeper than MAX_EXTRA_KEYS_DEPTH."""
     if extra_keys is None:
         return None
     if not any(extra_keys):

@@ -76,6 +76,9 @@ REASON_BAD_BATCH = "bad_batch"  # batch: valid msgpack, but not [ts, [events...]
 REASON_UNKNOWN_EVENT = "unknown_event_type"  # event: a tag this version does not know
 REASON_MALFORMED_EVENT = "malformed_event"  # event: known tag, fields of the wrong shape
 REASON_BAD_HASH = "bad_hash"  # event: a hash that is not a 64-bit int or a digest
+# batch or event: nested deeper than msgspec's recursion limit (~1,000 levels in a few KB), which raises
+# RecursionError rather than a msgspec error. vLLM's own nesting is a few levels.
+REASON_TOO_DEEP = "too_deep"
 
 _MAP_MARKERS = frozenset({0xDE, 0xDF, *range(0x80, 0x90)})
 _ARRAY_MARKERS = frozenset({0xDC, 0xDD, *range(0x90, 0xA0)})
@@ -110,12 +113,12 @@ def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch
     if not with_token_ids:
         try:
             return _decode_hot(_HOT_DECODER.decode(payload))
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, ConvertError):
             pass  # not the default shape: the general path below says what is wrong, event by event
     decoder = _BATCH_DECODER if with_token_ids else _BATCH_DECODER_TOKENS_SKIPPED
     try:
         wire_batch = decoder.decode(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return _decode_event_by_event(payload)
     events: list[KVEvent] = []
     dropped: dict[str, int] = {}
@@ -162,13 +165,18 @@ def _decode_raw_batch(payload: bytes) -> wire.RawArrayBatch | wire.RawMapBatch:
     # NOTE: msgspec.ValidationError subclasses msgspec.DecodeError, so it is caught first.
     try:
         return _RAW_ARRAY_BATCH_DECODER.decode(payload)
-    except msgspec.ValidationError as array_exc:
-        try:
-            return _RAW_MAP_BATCH_DECODER.decode(payload)
-        except msgspec.DecodeError:
-            raise DecodeError(REASON_BAD_BATCH, str(array_exc)) from None
+    except msgspec.ValidationError as exc:
+        array_error = str(exc)
     except msgspec.DecodeError as exc:
         raise DecodeError(REASON_NOT_MSGPACK, str(exc)) from None
+    except RecursionError:
+        raise DecodeError(REASON_TOO_DEEP, "nested deeper than the decoder's recursion limit") from None
+    try:
+        return _RAW_MAP_BATCH_DECODER.decode(payload)
+    except msgspec.DecodeError:
+        raise DecodeError(REASON_BAD_BATCH, array_error) from None
+    except RecursionError:
+        raise DecodeError(REASON_TOO_DEEP, "nested deeper than the decoder's recursion limit") from None
 
 
 def _decode_event_by_event(payload: bytes) -> DecodedBatch:
@@ -214,6 +222,8 @@ def decode_event(raw_event: msgspec.Raw | bytes) -> KVEvent:
         raise EventError(_classify(raw), str(exc)) from None
     except msgspec.DecodeError as exc:
         raise EventError(REASON_MALFORMED_EVENT, str(exc)) from None
+    except RecursionError:
+        raise EventError(REASON_TOO_DEEP, "nested deeper than the decoder's recursion limit") from None
     return convert_event(wire_event)
 
 
@@ -221,7 +231,7 @@ def _classify(raw: bytes) -> str:
     """Why an event failed to decode: a tag we do not know, or a known tag with bad fields."""
     try:
         value = _ANY_DECODER.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return REASON_MALFORMED_EVENT
     if isinstance(value, dict):
         tag = value.get("type")

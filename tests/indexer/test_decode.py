@@ -443,3 +443,59 @@ def test_without_token_ids_every_hash_form_decodes_like_the_full_path(hashes: li
         for e in full.batch.events
     )
     assert skipped.batch == EventBatch(ts=3.0, events=expected, dp_rank=1)
+
+
+# --- nesting: msgspec raises RecursionError (not one of its own errors) past ~1,000 levels --------------
+
+
+def nested_array(depth: int, leaf: bytes = b"\x01") -> bytes:
+    """`depth` one-element msgpack arrays around `leaf`: one byte per level."""
+    return b"\x91" * depth + leaf
+
+
+@pytest.mark.parametrize("with_token_ids", [True, False])
+def test_a_batch_nested_beyond_the_recursion_limit_is_a_decode_error(with_token_ids: bool) -> None:
+    ts = msgspec.msgpack.encode(1.0)
+    deep_event_in_array_batch = b"\x93" + ts + b"\x91" + nested_array(100_000) + b"\x00"
+    deep_event_in_map_batch = (
+        b"\x82" + msgspec.msgpack.encode("ts") + ts + msgspec.msgpack.encode("events") + b"\x91"
+    ) + nested_array(100_000)
+    for payload in (deep_event_in_array_batch, deep_event_in_map_batch):
+        with pytest.raises(DecodeError) as info:
+            decode_batch(payload, with_token_ids=with_token_ids)
+        assert info.value.reason == "too_deep"
+
+
+@pytest.mark.parametrize("depth", [40, 600])
+@pytest.mark.parametrize("with_token_ids", [True, False])
+def test_extra_keys_nested_too_deep_drop_only_their_event(depth: int, with_token_ids: bool) -> None:
+    # Before: convert's recursive freeze raised RecursionError out of decode_batch past ~500 levels.
+    deep: Any = 1
+    for _ in range(depth):
+        deep = [deep]
+    events = [{**GOOD_STORED, "extra_keys": [deep]}, GOOD_REMOVED]
+    decoded = decode_batch(msgspec.msgpack.encode([3.0, events, 0]), with_token_ids=with_token_ids)
+    assert decoded.dropped == {"too_deep": 1}
+    assert decoded.batch.events == (reference_event(GOOD_REMOVED),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_payloads_without_token_ids_raise_nothing_but_decode_error(payload: bytes) -> None:
+    # The ingest worker's mode: the hot decoder first, then the general path.
+    try:
+        decode_batch(payload, with_token_ids=False)
+    except DecodeError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(msgpack_values, st.booleans())
+def test_any_msgpack_value_as_batch_or_event_raises_nothing_but_decode_error(
+    value: Any, with_token_ids: bool
+) -> None:
+    for payload in (msgspec.msgpack.encode(value), msgspec.msgpack.encode([1.0, [value, value], 0])):
+        try:
+            decode_batch(payload, with_token_ids=with_token_ids)
+        except DecodeError:
+            pass
