@@ -99,11 +99,13 @@ def victim_keys(num_engines: int = NUM_GOOD_PODS, num_batches: int = NUM_VICTIM_
 
 
 def topic_parts(topic: bytes) -> tuple[str, str] | None:
-    """(pod, model) of a bind-mode topic `kv@<pod>@<model>` (README); the model may contain '@'.
-
-    NOTE: as kvindex does, bytes that are not UTF-8 read as U+FFFD, so such a pod id is accepted (and two
-    different non-UTF-8 ids name one pod)."""
-    prefix, at1, rest = topic.decode("utf-8", "replace").partition("@")
+    """(pod, model) of a bind-mode topic `kv@<pod>@<model>` (README); the model may contain '@'. A topic
+    that is not UTF-8 is refused (two different byte strings must never name one pod)."""
+    try:
+        text = topic.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    prefix, at1, rest = text.partition("@")
     pod, at2, model = rest.partition("@")
     if prefix != "kv" or not at1 or not at2 or not pod or not model:
         return None

@@ -36,3 +36,19 @@ def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
             return endpoint
         return f"{base_addr}:{base_port + dp_rank}"
     raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why `endpoint` is not a ZMQ address kvindex can use (one phrase), or None when it is:
+    tcp://HOST:PORT (PORT a number or `*`), ipc://PATH or inproc://NAME."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        return f"{endpoint!r} is not a ZMQ address; expected tcp://HOST:PORT"
+    if scheme != "tcp":
+        return None if rest else f"{endpoint!r} names no {scheme} path"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"{endpoint!r} has no port; expected tcp://HOST:PORT"
+    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        return f"{endpoint!r} has port {port!r}; expected a number from 0 to 65535 or *"
+    return None

@@ -20,9 +20,10 @@ RECENT_DIGESTS = 256
 # Replay attempts for one request before the tracker goes on without its answer (the shell spaces them
 # with a capped backoff; a failed attempt proves nothing about the engine).
 MAX_REPLAY_ATTEMPTS = 5
-# Live batches held while a replay is out; beyond this the oldest are let go (a replay that succeeds
-# brings them back from the ring, which is no larger than vLLM's 10,000 batches by default).
-MAX_HELD = 20_000
+# Live batches held while a replay is out; beyond this count or these bytes the oldest are let go (a
+# replay that succeeds brings them back from the ring, which holds vLLM's last 10,000 batches by default).
+MAX_HELD = 10_000
+MAX_HELD_BYTES = 64 << 20
 
 ClearReason = Literal["restart", "history_lost", "resync"]
 ReplayPurpose = Literal["join", "gap", "verify", "reconnect", "probe"]
@@ -87,7 +88,11 @@ class SequenceTracker(Generic[T]):
       whole history: clear and apply it all, reason "resync").
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, replayable: bool = True, max_held_bytes: int = MAX_HELD_BYTES) -> None:
+        """`replayable`: the stream has a replay socket. Without one nothing can be verified, so a seq
+        that goes back with an unknown digest is taken for a restarted engine rather than a stale copy."""
+        self.replayable = replayable
+        self._max_held_bytes = max_held_bytes
         self.last_applied: int | None = None
         self.joined = False
         self.resyncing = False
@@ -102,6 +107,8 @@ class SequenceTracker(Generic[T]):
         self.num_held_dropped = 0
         self._recent: OrderedDict[int, int] = OrderedDict()
         self._held: dict[int, tuple[T, int]] = {}
+        self._held_sizes: dict[int, int] = {}
+        self._held_bytes = 0
         # The engine behind the stream was proven the one we follow since the last (re)connection.
         self._verified = False
         # A (re)connection happened while a replay was out: check again once it is answered.
@@ -144,30 +151,31 @@ class SequenceTracker(Generic[T]):
         checked against the ring rather than trusted."""
         self._verified = False
 
-    def on_live(self, seq: int, item: T, digest: int) -> list[Action[T]]:
+    def on_live(self, seq: int, item: T, digest: int, size: int = 0) -> list[Action[T]]:
+        """A live batch; `size` (its payload bytes) bounds what is held while a replay is out."""
         if self.awaiting is not None:
-            self._hold(seq, item, digest)
+            self._hold(seq, item, digest, size)
             return []
         if not self.joined:
-            self._hold(seq, item, digest)
+            self._hold(seq, item, digest, size)
             return [self._fetch(0, "join")]
         last = self.last_applied
         if last is not None and seq <= last:
             known = self._recent.get(seq)
-            if known == digest or (known is None and self._verified):
+            if known == digest or (known is None and self._verified and self.replayable):
                 self.num_duplicates += 1
                 return []
-            if known is not None:
+            if known is not None or not self.replayable:
                 actions: list[Action[T]] = [self._restart()]
-                return actions + self.on_live(seq, item, digest)
-            self._hold(seq, item, digest)
+                return actions + self.on_live(seq, item, digest, size)
+            self._hold(seq, item, digest, size)
             return [self._fetch(last, "verify")]
         expected = 0 if last is None else last + 1
         if seq == expected:
             self._mark_applied(seq, digest)
             return [Apply(seq, item)]
         self.num_gaps += 1
-        self._hold(seq, item, digest)
+        self._hold(seq, item, digest, size)
         return [self._fetch(expected if last is None else last, "gap")]
 
     def on_replay(self, replayed: Sequence[ReplayedItem[T]], complete: bool) -> list[Action[T]]:
@@ -250,6 +258,8 @@ class SequenceTracker(Generic[T]):
         # Held live copies of replayed batches, and anything at or below last_applied.
         self.num_duplicates += len(self._held) + len(items) - len(pending)
         self._held = {}
+        self._held_sizes = {}
+        self._held_bytes = 0
         if not pending:
             return actions
         if request.purpose == "probe" and actions == []:
@@ -269,7 +279,7 @@ class SequenceTracker(Generic[T]):
                 tail = len(pending) - 1
                 while tail > 0 and pending[tail - 1] == pending[tail] - 1:
                     tail -= 1
-                self.num_duplicates -= tail  # not duplicates: let go with the hole
+                self.num_held_dropped += tail  # let go with the hole
                 pending = pending[tail:]
         elif last is None:
             self.partial_view = False
@@ -280,10 +290,14 @@ class SequenceTracker(Generic[T]):
             actions.append(Apply(seq, item))
         return actions
 
-    def _hold(self, seq: int, item: T, digest: int) -> None:
+    def _hold(self, seq: int, item: T, digest: int, size: int) -> None:
+        self._held_bytes += size - self._held_sizes.get(seq, 0)
         self._held[seq] = (item, digest)
-        if len(self._held) > MAX_HELD:
-            del self._held[min(self._held)]
+        self._held_sizes[seq] = size
+        while len(self._held) > 1 and (len(self._held) > MAX_HELD or self._held_bytes > self._max_held_bytes):
+            oldest = min(self._held)
+            del self._held[oldest]
+            self._held_bytes -= self._held_sizes.pop(oldest)
             self.num_held_dropped += 1
 
     def _fetch(self, start_seq: int, purpose: ReplayPurpose) -> FetchReplay:

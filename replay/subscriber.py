@@ -50,6 +50,7 @@ class Subscriber:
         rcvhwm: int = 100_000,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
+        max_message_bytes: int = -1,
     ) -> None:
         self._on_frames = on_frames
         self._on_link = on_link
@@ -57,6 +58,8 @@ class Subscriber:
         self._rcvhwm = rcvhwm
         self._reconnect_ivl_ms = reconnect_ivl_ms
         self._reconnect_ivl_max_ms = reconnect_ivl_max_ms
+        # ZMQ drops a peer that sends a larger message (before it is read into memory); -1: no limit.
+        self._max_message_bytes = max_message_bytes
         self._sockets: dict[zmq.Socket[bytes], str] = {}
         self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._running = False
@@ -97,6 +100,7 @@ class Subscriber:
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         # Everything: topics are checked by the ingest service, which counts what it cannot place.
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         monitor: zmq.Socket[bytes] = sock.get_monitor_socket(_MONITOR_EVENTS)

@@ -18,7 +18,11 @@ TOPIC_PREFIX = "kv"
 
 def parse_topic(topic: bytes) -> tuple[str, str] | None:
     """(pod id, model) of a bind-mode topic `kv@<pod>@<model>` (the model may contain `@`), or None."""
-    parts = topic.decode("utf-8", "replace").split("@", 2)
+    try:
+        # Strict: two byte strings must never become one pod id through replacement characters.
+        parts = topic.decode("utf-8").split("@", 2)
+    except UnicodeDecodeError:
+        return None
     if len(parts) != 3 or parts[0] != TOPIC_PREFIX or not parts[1] or not parts[2]:
         return None
     return parts[1], parts[2]

@@ -149,6 +149,7 @@ class IngestService:
             rcvhwm=settings.rcvhwm,
             reconnect_ivl_ms=settings.reconnect_ivl_ms,
             reconnect_ivl_max_ms=settings.reconnect_ivl_max_ms,
+            max_message_bytes=settings.max_message_bytes,
         )
         self._state = "new"
         self._stop_event = threading.Event()

@@ -53,6 +53,9 @@ class IngestSettings(msgspec.Struct, frozen=True):
     # placeholders {pod}, {model}; vLLM's DP port offset is applied for ranks > 0. None: no replay.
     listen_replay_template: str | None = None
     rcvhwm: int = 100_000  # per SUB socket; a full one drops at the PUB (repaired by replay)
+    # A larger message makes ZMQ drop its sender's connection before reading it (vLLM's batches are a few
+    # KB to a few MB: one engine step's events).
+    max_message_bytes: int = 64 << 20
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 5_000
 

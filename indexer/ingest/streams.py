@@ -62,7 +62,7 @@ class Stream:
         # Connect mode: kvindex dials this stream's own SUB (its link state is this stream's). Bind mode:
         # the engine dialled a shared bound SUB, and ZMQ does not say which engine a link event is for.
         self.connect_mode = connect_mode
-        self.tracker: SequenceTracker[TrackedBatch] = SequenceTracker()
+        self.tracker: SequenceTracker[TrackedBatch] = self.new_tracker()
         self.connected = False
         self.ever_connected = False
         self.created_at = time.monotonic()
@@ -92,6 +92,10 @@ class Stream:
         self.hash_mismatches_total = 0
         self.hash_mismatch = False
         self.logged: set[str] = set()
+
+    def new_tracker(self) -> SequenceTracker[TrackedBatch]:
+        """A fresh sequence tracker for this stream (at creation, and when its past is let go)."""
+        return SequenceTracker(replayable=self.replay_endpoint is not None)
 
 
 class StreamTable:

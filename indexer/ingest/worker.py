@@ -44,7 +44,7 @@ from kvindex.indexer.ingest.streams import (
 )
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
-from kvindex.replay.endpoints import offset_endpoint_port
+from kvindex.replay.endpoints import endpoint_problem, offset_endpoint_port
 from kvindex.replay.replay_fetcher import ReplayFetcher
 from kvindex.replay.sequence import (
     MAX_REPLAY_ATTEMPTS,
@@ -53,7 +53,6 @@ from kvindex.replay.sequence import (
     ClearPod,
     FetchReplay,
     ReplayedItem,
-    SequenceTracker,
 )
 
 log = logging.getLogger("kvindex.indexer.ingest")
@@ -133,9 +132,11 @@ class StreamWorker:
         stream = self._streams.by_source.get(item.source_id)
         if stream is None:
             stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
+            if stream.model != item.model:
+                self._switch_model(stream, item.model, acc)
         stream.last_live_at = time.monotonic()
         stream.active_since_probe = True
-        actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload))
+        actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload), len(item.payload))
         if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
             self._apply(stream, actions[0].seq, actions[0].item, acc)
         elif actions:
@@ -160,15 +161,36 @@ class StreamWorker:
                 stream, stream.tracker.on_reconnect(), acc, delay_s=self._settings.reconnect_settle_s
             )
 
+    def _reset_stream(self, stream: Stream) -> None:
+        """Let the stream's past go: a fresh tracker (its next message is a join), no outstanding replay."""
+        stream.tracker = stream.new_tracker()
+        stream.counted = (0, 0, 0)
+        stream.indexed_seq = None
+        stream.replay_token += 1  # an answer still out is for the stream's past
+
+    def _switch_model(self, stream: Stream, model: str, acc: _Accumulator) -> None:
+        """Bind mode: a pod's topic names another model than before (the engine was redeployed with
+        it). Its entries go from the old model's index and it joins again under the new one."""
+        self._flush(stream, acc)
+        self._sync_counts(stream)
+        cleared = self._models[stream.model].index.clear_pod(stream.ref)
+        log.warning(
+            "pod %s rank %d: now publishes model %s (was %s); dropped its %d entries and joins again",
+            stream.ref.pod_id,
+            stream.ref.dp_rank,
+            model,
+            stream.model,
+            cleared,
+        )
+        stream.model = model
+        self._reset_stream(stream)
+
     def _forget(self, stream: Stream, acc: _Accumulator) -> None:
         """Disconnected past forget_after_s: free the pod's entries; its return is a fresh join."""
         self._flush(stream, acc)
         self._sync_counts(stream)
         cleared = self._models[stream.model].index.clear_pod(stream.ref)
-        stream.tracker = SequenceTracker()
-        stream.counted = (0, 0, 0)
-        stream.indexed_seq = None
-        stream.replay_token += 1  # an answer still out is for the forgotten stream
+        self._reset_stream(stream)
         log.warning(
             "pod %s rank %d: disconnected for %.0f s; dropped its %d entries (its return is a fresh join)",
             stream.ref.pod_id,
@@ -187,8 +209,20 @@ class StreamWorker:
         for reason, n in result.bad_frames.items():
             self._counters.add_to("dropped", f"replay_{reason}", n)
         if result.error is not None:
-            outcome = "error"
-        elif not result.complete:
+            # The request could not even be sent (a malformed endpoint): retrying cannot help.
+            log.warning(
+                "pod %s rank %d: replay endpoint %s refused (%s); the stream goes without replay",
+                pod.pod_id,
+                pod.dp_rank,
+                stream.replay_endpoint,
+                result.error,
+            )
+            self._counters.add_to("replays", "error")
+            stream.replay_endpoint = None
+            stream.tracker.replayable = False
+            self._perform(stream, stream.tracker.on_replay_unavailable(), acc)
+            return
+        if not result.complete:
             outcome = "timeout"
         elif result.history_lost and request.purpose != "join":
             outcome = "history_lost"
@@ -215,7 +249,7 @@ class StreamWorker:
                 request.purpose,
                 request.start_seq,
                 request.attempt + 1,
-                result.error or "timeout",
+                "timeout",
             )
         replayed = (
             [
@@ -233,10 +267,7 @@ class StreamWorker:
         stream = self._streams.get(ref)
         if stream is not None:
             return stream
-        template = self._settings.listen_replay_template
-        replay_endpoint = None
-        if template is not None:
-            replay_endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
+        replay_endpoint = self._bind_replay_endpoint(pod_id, model, rank)
         endpoint = self._listen_sources.get(source_id, "")
         stream = self._streams.add_bound(Stream(ref, model, endpoint, replay_endpoint, connect_mode=False))
         log.info(
@@ -247,6 +278,29 @@ class StreamWorker:
             replay_endpoint,
         )
         return stream
+
+    def _bind_replay_endpoint(self, pod_id: str, model: str, rank: int) -> str | None:
+        """The replay endpoint `listen_replay_template` gives this pod and rank, or None (no template, or
+        one that makes no endpoint of this pod's id: said once, and the stream goes without replay)."""
+        template = self._settings.listen_replay_template
+        if template is None:
+            return None
+        try:
+            endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
+            problem = None if endpoint is None else endpoint_problem(endpoint)
+        except (ValueError, KeyError, IndexError) as exc:
+            endpoint, problem = None, str(exc)
+        if problem is not None or endpoint is None:
+            self._counters.log_once(
+                f"badreplay:{pod_id}:{rank}",
+                "pod %s rank %d: --listen-replay %r gives no replay endpoint for it (%s); it goes without replay",
+                pod_id,
+                rank,
+                template,
+                problem,
+            )
+            return None
+        return endpoint
 
     def _decode(self, pod_id: str, seq: int, payload: bytes) -> TrackedBatch:
         """Decode without token ids (most of the bytes; only the hash check needs them, and it decodes
