@@ -345,3 +345,52 @@ def test_restart_whose_ring_skips_last_applied_is_not_stitched_onto_the_old_stre
     # The reconnect check found the restart at once (empty ring: cleared, rejoined with nothing), so the
     # lost seq 0 is a late join's partial view rather than a resync.
     assert driver.tracker.partial_view or driver.tracker.resyncing
+
+
+# -- found by the fuzzer (benchmarks/fuzz.py) -------------------------------------------------------------
+
+
+def test_batches_let_go_with_a_hole_are_not_negative_duplicates() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(replayable=False)
+    tracker.on_replay_unavailable()
+    tracker.begin_join()
+    tracker.on_replay_unavailable()  # joined with nothing
+    for seq in range(3):
+        tracker.on_live(seq, "b", seq)
+    tracker.on_live(10, "b", 10)  # a jump: held, a replay asked for
+    for seq in (11, 12, 20):
+        tracker.on_live(seq, "b", seq)
+    actions = tracker.on_replay_unavailable()
+    assert [a.seq for a in actions if isinstance(a, Apply)] == [20]  # only the run after the last hole
+    assert ClearPod("history_lost") in actions
+    assert tracker.num_duplicates == 0 and tracker.num_held_dropped == 3
+
+
+def test_without_a_replay_socket_a_seq_that_goes_back_is_a_restart() -> None:
+    """Nothing can be verified, and a restarted engine's seqs from 0 must not be taken for stale copies
+    once the old ones have left the digest window."""
+    tracker: SequenceTracker[tuple[int, int]] = SequenceTracker(replayable=False)
+    tracker.begin_join()
+    tracker.on_replay_unavailable()
+    for seq in range(300):
+        tracker.on_live(seq, (0, seq), digest(0, seq))
+    actions = tracker.on_live(0, (1, 0), digest(1, 0))
+    assert actions == [ClearPod("restart"), Apply(0, (1, 0))]
+    # With a replay socket the same seq is checked against the ring instead, once.
+    checked: SequenceTracker[tuple[int, int]] = SequenceTracker()
+    checked.begin_join()
+    checked.on_replay([], True)
+    for seq in range(300):
+        checked.on_live(seq, (0, seq), digest(0, seq))
+    assert checked.on_live(0, (1, 0), digest(1, 0)) == [FetchReplay(299, "verify")]
+
+
+def test_held_batches_are_bounded_in_bytes() -> None:
+    tracker: SequenceTracker[int] = SequenceTracker(max_held_bytes=1000)
+    assert tracker.begin_join() == [FetchReplay(0, "join")]
+    for seq in range(50):
+        assert tracker.on_live(seq, seq, seq, size=100) == []  # held: the join is out
+    assert tracker.num_held_dropped == 40
+    actions = tracker.on_replay([], True)  # an empty ring: only what is held
+    assert [a.seq for a in actions if isinstance(a, Apply)] == list(range(40, 50))
+    assert tracker.partial_view

@@ -14,7 +14,7 @@ import zmq
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.replay.publisher import encode_batch
-from kvindex.replay.wire import AllBlocksCleared, KVEventBatch
+from kvindex.replay.wire import AllBlocksCleared, BlockStored, KVEventBatch
 from waiting import wait_for
 
 
@@ -83,5 +83,39 @@ def test_process_counters_count_the_gaps_and_duplicates_of_live_messages(xpub: z
         wait_for(lambda: service.counters().duplicates >= 1, what="the duplicate counted")
         counters = service.counters()
         assert (counters.gaps, counters.duplicates) == (1, 1)
+    finally:
+        service.stop()
+
+
+def test_a_pod_whose_topic_names_another_model_moves_to_it(xpub: zmq.Socket[bytes]) -> None:
+    """Bind mode: `kv@p@m`, then `kv@p@other` (the engine redeployed with another model): p's blocks
+    leave m's index and its new ones land in other's, never in m's."""
+
+    def stored(key: int) -> bytes:
+        event = BlockStored(
+            block_hashes=[key],
+            parent_block_hash=None,
+            token_ids=[1] * 16,
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        return encode_batch(KVEventBatch(ts=1.0, events=[event], data_parallel_rank=0))
+
+    service = IngestService([ModelConfig("m"), ModelConfig("other")], listen="tcp://127.0.0.1:*")
+    service.start()
+    try:
+        assert service.listen_endpoint is not None
+        xpub.connect(service.listen_endpoint)
+        subscribed(xpub)
+        index_m = service.model("m").index  # type: ignore[union-attr]
+        index_other = service.model("other").index  # type: ignore[union-attr]
+        send(xpub, "kv@p@m", 0, stored(111))
+        wait_for(lambda: bool(index_m.lookup_ids([111])), what="111 in m")
+        send(xpub, "kv@p@other", 0, stored(222))
+        wait_for(lambda: bool(index_other.lookup_ids([222])), what="222 in other")
+        assert not index_m.lookup_ids([222]) and not index_m.lookup_ids([111])
+        assert [(s.pod, s.model) for s in service.pod_statuses()] == [("p", "other")]
     finally:
         service.stop()
