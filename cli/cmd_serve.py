@@ -138,10 +138,11 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
         )
     for pod in config.pods:
         logger.info(
-            "pod %s dp rank %d (model %s): events %s, replay %s",
+            "pod %s dp rank %d (model %s, from %s): events %s, replay %s",
             pod.pod_id,
             pod.dp_rank,
             pod.model,
+            config.pod_sources.get((pod.pod_id, pod.dp_rank), "?"),
             pod.endpoint,
             pod.replay_endpoint or "none (gaps lose history)",
         )

@@ -22,6 +22,7 @@ from kvindex.api.settings import (
     ApiSettings,
     default_tier_weights,
 )
+from kvindex.cli.endpoints import endpoint_problem
 from kvindex.hashing.algorithms import HASH_ALGOS
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
@@ -55,6 +56,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
     seed_sources: dict[str, str] = {}
     # Where the API key came from ("--api-key", "KVINDEX_API_KEY" or "config file"); None: no key.
     api_key_source: str | None = None
+    # (pod id, dp rank) -> where the pod's entry came from: "--pod", "config file", or
+    # "--pod, replacing the config file's entry" (logged at start-up).
+    pod_sources: dict[tuple[str, int], str] = {}
 
 
 # --- the TOML file, as written by an operator ------------------------------------------------------
@@ -225,7 +229,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
 
     models, seed_sources = _merge_models(file.models, args, env)
     model_names = [model.name for model in models]
-    pods = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
+    pods, pod_sources = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
 
     listen = _listen_endpoints(args.listen, file.listen)
     listen_replay = args.listen_replay or file.listen_replay
@@ -287,6 +291,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         log_level=log_level,
         seed_sources=seed_sources,
         api_key_source=api_key_source,
+        pod_sources=pod_sources,
     )
 
 
@@ -335,6 +340,9 @@ def _listen_endpoints(flags: Sequence[str] | None, file_listen: str | list[str] 
     for endpoint in endpoints:
         if not endpoint:
             raise ConfigError(f"{source} must name an endpoint, e.g. tcp://*:5557")
+        problem = endpoint_problem(endpoint, dial=False)
+        if problem is not None:
+            raise ConfigError(f"{source} {endpoint!r} {problem} (e.g. tcp://*:5557)")
         # An ephemeral port (":*" or ":0") binds a fresh socket each time; only a fixed one can clash.
         if endpoint in seen and not endpoint.endswith((":*", ":0")):
             raise ConfigError(
@@ -348,13 +356,16 @@ def _check_replay_template(template: str) -> None:
     """The ingest service fills in {pod} and {model} only; anything else would fail per pod at run time."""
     hint = "use the placeholders {pod} and {model} only, e.g. tcp://{pod}:5558"
     try:
-        template.format(pod="pod", model="model")
+        filled = template.format(pod="pod", model="model")
     except KeyError as exc:
         raise ConfigError(
             f"--listen-replay {template!r} uses the unknown placeholder {{{exc.args[0]}}}; {hint}"
         ) from None
     except (IndexError, ValueError) as exc:
         raise ConfigError(f"--listen-replay {template!r} is not a valid template ({exc}); {hint}") from None
+    problem = endpoint_problem(filled, dial=True)
+    if problem is not None:
+        raise ConfigError(f"--listen-replay {template!r} {problem}, e.g. tcp://{{pod}}:5558")
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -438,13 +449,40 @@ def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:
     )
 
 
+class _PodEntry(msgspec.Struct, frozen=True):
+    pod_id: str
+    endpoint: str
+    replay: str | None
+    model: str | None
+    dp_rank: int
+    source: str  # "config file" or "--pod"
+
+
 def _merge_pods(
     sections: Sequence[_PodSection], flags: Sequence[PodFlag], model_names: Sequence[str]
-) -> list[PodConfig]:
+) -> tuple[list[PodConfig], dict[tuple[str, int], str]]:
+    """The pods of the file, then of the flags, one per (id, dp rank), with where each came from.
+
+    One (id, dp rank) twice in one source is refused: the index, the stream table and scores all key a
+    pod by it, so one entry would silently win. A --pod for a (id, dp rank) the file lists replaces the
+    file's entry (flags override the file); the start-up log says so.
+    """
+    entries = [_PodEntry(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
+    entries += [_PodEntry(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
     by_stream: dict[tuple[str, int], PodConfig] = {}
-    entries = [(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
-    entries += [(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
-    for pod_id, endpoint, replay, model, dp_rank, source in entries:
+    sources: dict[tuple[str, int], str] = {}
+    seen: set[tuple[str, int, str]] = set()  # (pod id, dp rank, source)
+    for entry in entries:
+        pod_id, source = entry.pod_id, entry.source
+        stream = (pod_id, entry.dp_rank)
+        if (*stream, source) in seen:
+            given = "in the config file" if source == "config file" else "(--pod and --pod)"
+            raise ConfigError(
+                f"pod {pod_id!r} dp rank {entry.dp_rank} is given twice {given}; "
+                "pod ids must be unique per dp rank"
+            )
+        seen.add((*stream, source))
+        model = entry.model
         if model is None:
             if len(model_names) != 1:
                 raise ConfigError(
@@ -455,10 +493,18 @@ def _merge_pods(
             raise ConfigError(
                 f"pod {pod_id!r} ({source}) names unknown model {model!r}; known: {', '.join(model_names)}"
             )
-        if dp_rank < 0:
+        if entry.dp_rank < 0:
             raise ConfigError(f"pod {pod_id!r} ({source}): dp_rank must be >= 0")
-        # A --pod flag for a stream the file already lists replaces the file's entry.
-        by_stream[(pod_id, dp_rank)] = PodConfig(
-            pod_id=pod_id, endpoint=endpoint, model=model, replay_endpoint=replay, dp_rank=dp_rank
+        for what, endpoint in (("endpoint", entry.endpoint), ("replay endpoint", entry.replay)):
+            problem = None if endpoint is None else endpoint_problem(endpoint, dial=True)
+            if problem is not None:
+                raise ConfigError(f"pod {pod_id!r} ({source}): {what} {endpoint!r} {problem}")
+        sources[stream] = "--pod, replacing the config file's entry" if stream in sources else source
+        by_stream[stream] = PodConfig(
+            pod_id=pod_id,
+            endpoint=entry.endpoint,
+            model=model,
+            replay_endpoint=entry.replay,
+            dp_rank=entry.dp_rank,
         )
-    return list(by_stream.values())
+    return list(by_stream.values()), sources

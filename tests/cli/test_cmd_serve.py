@@ -79,7 +79,8 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     # The start-up lines an operator checks the settings with.
     assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
     assert (
-        f"pod pod-a dp rank 0 (model m): events {engine.endpoint}, replay {engine.replay_endpoint}" in stderr
+        f"pod pod-a dp rank 0 (model m, from --pod): events {engine.endpoint}, replay {engine.replay_endpoint}"
+        in stderr
     )
 
 
