@@ -346,6 +346,11 @@ BAD_CONFIGS = [
         ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "{pod}:5558"],
         "--listen-replay '{pod}:5558' is not a ZMQ address",
     ),
+    # Bounds of the TOML keys, checked on load with the key's path.
+    ("[[models]]\nname = 'x'\n[ingest]\nnum_workers = 0", ["--pod", "p=tcp://h:1"], "ingest.num_workers"),
+    ("[[models]]\nname = 'x'\n[ingest]\nrcvhwm = -1", ["--pod", "p=tcp://h:1"], "ingest.rcvhwm"),
+    ("[[models]]\nname = 'x'\n[tiers]\nunknown_weight = -1", ["--pod", "p=tcp://h:1"], "unknown_weight"),
+    ("[[models]]\nname = 'x'\nblock_size = 0", ["--pod", "p=tcp://h:1"], "models[0].block_size"),
     # (TOML text or None, extra argv, a word the one-sentence error must contain)
     ("[[models]\nname = 'x'", [], "not valid TOML"),
     ("[[models]]\nname = 'x'\ncolour = 'red'", ["--pod", "p=tcp://h:1"], "colour"),
