@@ -84,3 +84,35 @@ def test_unknown_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         cli.main(["frobnicate"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
+def test_a_bad_flag_prints_the_subcommands_own_usage(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse's subparsers quirk: leftovers went up to the top-level parser, which printed
+    # `usage: kvindex [-h] COMMAND ...` and none of the command's flags.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvindex {name}"), err
+    assert f"kvindex {name}" in err.splitlines()[-1]
+
+
+def test_serve_with_a_bad_flag_names_it_under_serves_usage() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex", "serve", "--model", "m", "--bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: kvindex serve [-h] [--http HOST:PORT]"), result.stderr
+    assert "--pod ID=ENDPOINT" in result.stderr  # serve's flags, not the top-level COMMAND list
+    assert result.stderr.splitlines()[-1] == "kvindex serve: error: unrecognized arguments: --bogus"
+
+
+def test_a_nested_subcommand_reports_with_its_own_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compat", "vectors", "file.json", "--bogus"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: kvindex compat vectors")
