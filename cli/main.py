@@ -57,11 +57,26 @@ class CommandParser(argparse.ArgumentParser):
         return parsed, extras
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject takes it from kvindex.__version__, the one place
+    it is written; read from the metadata because cli/ may not import the package root)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("kvindex")
+    except PackageNotFoundError:  # importable without being installed: nothing says which version
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvindex",
         description="Cross-pod KV-cache indexer for vLLM fleets.",
         epilog="Run `kvindex COMMAND --help` for a command's options.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kvindex {version()}", help="print the version and exit"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():

@@ -7,11 +7,14 @@ pytest's rootdir-style collection needs unique basenames.)
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
 import pytest
 from kvindex.cli import main as cli
+
+import kvindex
 
 # Paid only by the subcommand that needs them, never by building the parser. (kvindex.hashing is allowed:
 # the subcommands take HASH_ALGOS from it, and its import is light; its CBOR table is checked below.)
@@ -116,3 +119,12 @@ def test_a_nested_subcommand_reports_with_its_own_usage(capsys: pytest.CaptureFi
         cli.main(["compat", "vectors", "file.json", "--bogus"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("usage: kvindex compat vectors")
+
+
+def test_version_is_the_installed_distributions() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex", "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout == f"kvindex {kvindex.__version__}\n"
+    # pyproject takes its version from kvindex.__version__: the two cannot disagree (a stale install can).
+    assert importlib.metadata.version("kvindex") == kvindex.__version__
