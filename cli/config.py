@@ -542,7 +542,7 @@ def _listen_endpoints(flags: Sequence[str] | None, file_listen: str | list[str])
             raise ConfigError(f"{source} must name an endpoint, e.g. tcp://*:5557")
         problem = endpoint_problem(endpoint, dial=False)
         if problem is not None:
-            raise ConfigError(f"{source} {endpoint!r} {problem} (e.g. tcp://*:5557)")
+            raise ConfigError(f"{source} {endpoint!r} {problem}, e.g. tcp://*:5557")
         # An ephemeral port (":*" or ":0") binds a fresh socket each time; only a fixed one can clash.
         if endpoint in seen and not endpoint.endswith((":*", ":0")):
             raise ConfigError(
