@@ -66,14 +66,14 @@ class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: Literal["trust", "score"] = "trust"
 
 
-class ScoreResponse(msgspec.Struct, frozen=True, omit_defaults=True):
+class ScoreResponse(msgspec.Struct, frozen=True):
     model: str
     block_size: int
     num_blocks: int
     scores: list[PodScore]  # best first; encoded as CONTRACT.md's entries
     # Extension: the request's `pods` that name no pod of this model (no stream, never a block), in
-    # request order; present exactly when the request names `pods`.
-    unknown_pods: list[str] | None = None
+    # request order; sent exactly when the request names `pods` (UNSET: left out of the JSON).
+    unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 class PodsResponse(msgspec.Struct, frozen=True):

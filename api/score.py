@@ -156,9 +156,11 @@ class ScoreHandler:
             block_size=config.block_size,
             num_blocks=len(block_keys),
             scores=pod_scores,
-            unknown_pods=None
-            if score_request.pods is None
-            else self._unknown_pods(runtime, score_request.pods),
+            unknown_pods=(
+                msgspec.UNSET
+                if score_request.pods is None
+                else self._unknown_pods(runtime, score_request.pods)
+            ),
         )
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
