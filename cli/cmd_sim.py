@@ -97,7 +97,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--topic",
         default=None,
-        help="ZMQ topic; may use {pod} and {model} (default: empty in bind mode, kv@{pod}@{model} in connect mode)",
+        help="ZMQ topic; may use {pod} and {model} (default: kv@{pod}@{model} when the engines dial kvindex, "
+        "whose bind mode reads pod and model from it; empty when kvindex dials them, its connect mode)",
     )
     parser.add_argument(
         "--buffer-steps", type=int, default=10_000, help="replay ring size in batches (default 10000)"
@@ -138,8 +139,8 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
         raise CliError("--requests must be >= 0 and --max-tokens >= 1")
     if not 0 <= args.http_port_base <= 65535 - args.engines:
         raise CliError("--http-port-base must leave room for one port per engine (0 = ephemeral)")
-    connect_mode = not publisher_binds(args.pub)  # the engines connect: kvindex's bind mode
-    problem = endpoint_problem(args.pub, dial=connect_mode)
+    engines_dial = not publisher_binds(args.pub)  # kvindex's bind mode (`serve --listen`)
+    problem = endpoint_problem(args.pub, dial=engines_dial)
     if problem is not None:
         raise CliError(f"--pub {args.pub!r} {problem}, e.g. tcp://*:5557")
     replay_arg = args.replay if args.replay is not None else default_replay(args.pub)
@@ -150,7 +151,7 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
             problem = "is not a tcp:// address; expected tcp://HOST:PORT"
         if problem is not None:
             raise CliError(f"--replay {replay!r} {problem}, or 'none'")
-    topic_pattern = args.topic if args.topic is not None else ("kv@{pod}@{model}" if connect_mode else "")
+    topic_pattern = args.topic if args.topic is not None else ("kv@{pod}@{model}" if engines_dial else "")
     if args.hash_seed is None and args.hash_algo.startswith("xxhash"):
         raise CliError(
             f"{args.hash_algo} with PYTHONHASHSEED unset has a random root per engine: pass --hash-seed "
@@ -162,7 +163,7 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
         pod_id = f"{args.pod_prefix}{index}"
         try:
             # vLLM's data-parallel port rule, reused: port+i, port 0 stays ephemeral.
-            pub = args.pub if connect_mode else offset_endpoint_port(args.pub, index)
+            pub = args.pub if engines_dial else offset_endpoint_port(args.pub, index)
             replay_endpoint = offset_endpoint_port(replay, index)
         except ValueError as exc:
             raise CliError(f"--pub/--replay: {exc} (use tcp:// endpoints with several engines)") from exc
