@@ -7,8 +7,11 @@ blocks, status codes) are owned by the API and live in a per-app registry, so te
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Iterator, Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed_version
 from typing import Protocol
 
 import msgspec
@@ -22,7 +25,7 @@ from kvindex.indexer.status import (
     IngestCounters,
     PodStatus,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,9 +47,20 @@ class _IndexStats(Protocol):
     def num_entries(self) -> int: ...
 
 
+class _ModelSettings(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_algo(self) -> str: ...
+
+
 class _ModelRuntime(Protocol):
     @property
     def index(self) -> _IndexStats: ...
+    @property
+    def config(self) -> _ModelSettings: ...
 
 
 class MetricsSource(Protocol):
@@ -200,6 +214,11 @@ class IngestCollector(Collector):
         yield from ingest_counter_families(self._source.counters())
         yield from pod_families(self._source.pod_statuses())
 
+        info = GaugeMetricFamily(
+            "kvindex_model_info",
+            "Always 1; labels are a served model's hash settings (compare them with the engines').",
+            labels=["model", "block_size", "hash_algo"],
+        )
         keys = GaugeMetricFamily("kvindex_index_keys", "Block keys in the index.", labels=["model"])
         entries = GaugeMetricFamily(
             "kvindex_index_entries", "(block key, pod) entries in the index.", labels=["model"]
@@ -208,8 +227,11 @@ class IngestCollector(Collector):
             runtime = self._source.model(model_name)
             if runtime is None:
                 continue
+            config = runtime.config
+            info.add_metric([model_name, str(config.block_size), config.hash_algo], 1.0)
             keys.add_metric([model_name], runtime.index.num_keys())
             entries.add_metric([model_name], runtime.index.num_entries())
+        yield info
         yield keys
         yield entries
 
@@ -221,10 +243,25 @@ def _labelled_counter(name: str, help_text: str, label: str, values: dict[str, i
     return family
 
 
+def kvindex_version() -> str:
+    """The installed distribution's version (pyproject takes it from kvindex.__version__)."""
+    try:
+        return installed_version("kvindex")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class RequestMetrics:
     """The API's own metrics, in a registry private to one app."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.build_info = Gauge(
+            "kvindex_build_info",
+            "Always 1; labels name the kvindex version and the Python running it.",
+            labelnames=["version", "python"],
+            registry=registry,
+        )
+        self.build_info.labels(kvindex_version(), platform.python_version()).set(1)
         self.score_latency = Histogram(
             "kvindex_score_latency_seconds",
             "Time to answer POST /v1/score (decode, hash, lookup, score, encode).",

@@ -7,6 +7,7 @@ field, which the HTTP layer turns into `{"error": "<field>: <what is wrong>"}`.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Literal
 
@@ -43,8 +44,11 @@ class ScoreRequestMMItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     length: int
 
 
-class ScoreRequest(msgspec.Struct, frozen=True):
-    """`POST /v1/score`. Exactly one of `token_ids` / `block_hashes`; extra keys only with token_ids."""
+class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/score`. Exactly one of `token_ids` / `block_hashes`; extra keys only with token_ids.
+
+    Unknown fields are refused (400 naming the field): a router sending `prompt` or a misspelt
+    `token_id` must hear that it was not understood, not get a score for something else."""
 
     model: str | None = None
     token_ids: list[TokenId] | None = None
@@ -67,6 +71,9 @@ class ScoreResponse(msgspec.Struct, frozen=True):
     block_size: int
     num_blocks: int
     scores: list[PodScore]  # best first; encoded as CONTRACT.md's entries
+    # Extension: the request's `pods` that name no pod of this model (no stream, never a block), in
+    # request order; sent exactly when the request names `pods` (UNSET: left out of the JSON).
+    unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 class PodsResponse(msgspec.Struct, frozen=True):
@@ -134,6 +141,19 @@ SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
 JSON_ENCODER = msgspec.json.Encoder()
 
 _PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+# The fields an object at a path may carry (list indices dropped from the path).
+_FIELDS_AT = {
+    "": tuple(msgspec.structs.fields(ScoreRequest)),
+    "mm": tuple(msgspec.structs.fields(ScoreRequestMMItem)),
+}
+# What routers send instead of token ids, and what to send instead.
+_TEXT_HINT = "text is not accepted; send token_ids (tokenize with the model's tokenizer) or block_hashes"
+_INSTEAD = {
+    "prompt": _TEXT_HINT,
+    "messages": _TEXT_HINT,
+    "input_ids": "unknown field; did you mean token_ids?",
+}
 
 
 def decode_score_request(body: bytes) -> ScoreRequest:
@@ -149,10 +169,24 @@ def decode_score_request(body: bytes) -> ScoreRequest:
 def _validation_error(message: str) -> RequestError:
     """msgspec's "Expected `int`, got `str` - at `$.token_ids[3]`" -> field "token_ids[3]"."""
     match = _PATH_SUFFIX.search(message)
-    if match is None:
-        return RequestError("body", _lower_first(message))
-    problem = message[: match.start()]
-    return RequestError(match.group("path") or "body", _lower_first(problem))
+    problem, path = (message[: match.start()], match.group("path")) if match else (message, "")
+    unknown = _UNKNOWN_FIELD.match(problem)
+    if unknown is not None:
+        return _unknown_field_error(path, unknown.group("name"))
+    return RequestError(path or "body", _lower_first(problem))
+
+
+def _unknown_field_error(path: str, name: str) -> RequestError:
+    """`{"prompt": ...}` -> "prompt: text is not accepted; ..."; `token_id` -> "did you mean token_ids?"."""
+    shown = name if len(name) <= 64 else name[:61] + "..."  # the key is the client's: bound the echo
+    field = f"{path}.{shown}" if path else shown
+    if not path and name in _INSTEAD:
+        return RequestError(field, _INSTEAD[name])
+    known = [f.encode_name for f in _FIELDS_AT.get(re.sub(r"\[\d+\]", "", path), ())]
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return RequestError(field, f"unknown field; did you mean {close[0]}?")
+    return RequestError(field, f"unknown field (known: {', '.join(known)})" if known else "unknown field")
 
 
 def _lower_first(text: str) -> str:

@@ -8,6 +8,7 @@ ordinary prompts and on one worker thread above `ApiSettings.hash_in_executor_mi
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +39,10 @@ ALWAYS_REPORTED_TIERS = ("GPU", "CPU")
 # new blocks, ~0.3 ms for 512 known ones), and routers re-score the same conversations and system
 # prompts; the hasher's default (32768 blocks, 64 such prompts) thrashed under 200 rotating prompts.
 LOOP_MEMO_BLOCKS = 131_072
+
+# How stale the stream list behind `unknown_pods` may be: reading it builds every pod's status, which a
+# router naming a typo in every request must not pay per request.
+STREAM_IDS_MAX_AGE_S = 1.0
 
 
 class PromptHashers:
@@ -122,6 +127,9 @@ class ScoreHandler:
         self._executor = executor
         self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS)
         self._worker_hashers = PromptHashers()  # used only on the executor's single thread
+        # model -> pod ids of its streams, for `unknown_pods` (see _unknown_pods)
+        self._stream_ids: dict[str, frozenset[str]] = {}
+        self._stream_ids_read_at = -math.inf
 
     async def handle(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
@@ -148,6 +156,11 @@ class ScoreHandler:
             block_size=config.block_size,
             num_blocks=len(block_keys),
             scores=pod_scores,
+            unknown_pods=(
+                msgspec.UNSET
+                if score_request.pods is None
+                else self._unknown_pods(runtime, score_request.pods)
+            ),
         )
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
@@ -178,6 +191,26 @@ class ScoreHandler:
             )
             (vouched if by_score or health.state in VOUCHED_STATES else others).append(entry)
         return vouched + others if others else vouched
+
+    def _unknown_pods(self, runtime: ModelRuntime, pod_ids: list[str]) -> list[str]:
+        """The ids no stream of this model has and the model's index never held, in request order.
+
+        Most ids are answered by the index alone; the rest (a pod with no block yet, or a typo) are looked
+        up among the streams, whose list is read at most once per STREAM_IDS_MAX_AGE_S (a pod that
+        appeared since, and has no block yet, is reported unknown until the next read)."""
+        index = runtime.index
+        candidates = [pod_id for pod_id in dict.fromkeys(pod_ids) if not index.has_pod_id(pod_id)]
+        if not candidates:
+            return []
+        now = time.monotonic()
+        if now - self._stream_ids_read_at > STREAM_IDS_MAX_AGE_S:
+            by_model: dict[str, set[str]] = {}
+            for status in self._service.pod_statuses():
+                by_model.setdefault(status.model, set()).add(status.pod)
+            self._stream_ids = {model: frozenset(ids) for model, ids in by_model.items()}
+            self._stream_ids_read_at = now
+        streams = self._stream_ids.get(runtime.config.name, frozenset())
+        return [pod_id for pod_id in candidates if pod_id not in streams]
 
     async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> list[int]:
         if request.block_hashes is not None:

@@ -138,10 +138,11 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
         )
     for pod in config.pods:
         logger.info(
-            "pod %s dp rank %d (model %s): events %s, replay %s",
+            "pod %s dp rank %d (model %s, from %s): events %s, replay %s",
             pod.pod_id,
             pod.dp_rank,
             pod.model,
+            config.pod_sources.get((pod.pod_id, pod.dp_rank), "?"),
             pod.endpoint,
             pod.replay_endpoint or "none (gaps lose history)",
         )
@@ -162,9 +163,23 @@ def _configure_logging(level: str) -> None:
     )
 
 
+def _dialled_hosts(config: ServeConfig) -> list[tuple[str, str, int]]:
+    """(who, host, port) of every tcp:// endpoint kvindex dials, for the start-up DNS check."""
+    from kvindex.cli.endpoints import tcp_host_port
+
+    targets = []
+    for pod in config.pods:
+        for what, endpoint in (("events", pod.endpoint), ("replay", pod.replay_endpoint)):
+            host_port = tcp_host_port(endpoint) if endpoint is not None else None
+            if host_port is not None:
+                targets.append((f"pod {pod.pod_id!r} dp rank {pod.dp_rank} ({what})", *host_port))
+    return targets
+
+
 async def _serve(service: IngestService, config: ServeConfig) -> int:
     from aiohttp import web
     from kvindex.api.app import create_app
+    from kvindex.cli.dns_check import log_unresolved_hosts
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -191,6 +206,7 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
         shown_host = f"[{host}]" if ":" in host else host
         print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
         _log_settings(service, config)
+        log_unresolved_hosts(_dialled_hosts(config), logger)
         await stop.wait()
         logger.info("signal received, stopping")
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import random
 import signal
@@ -15,10 +16,13 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from kvindex.cli.endpoints import endpoint_problem
 from kvindex.cli.main import CliError
 
 if TYPE_CHECKING:  # the CLI imports every subcommand module: keep ZMQ and aiohttp out of start-up
     from kvindex.sim.engine import SimEngine, SimEngineConfig
+
+DEFAULT_REPLAY_PORT = 5600
 
 EPILOG = """\
 how to start a fleet
@@ -26,15 +30,16 @@ how to start a fleet
   tcp://*:5557): engine i binds PUB on port 5557+i and replay on
   5600+i; the printed `kvindex serve` flags dial them:
       kvindex sim --engines 4 --pub 'tcp://*:5557' --replay 'tcp://*:5600' --http-port-base 8200
-      kvindex serve --block-size 16 --hash-algo sha256 --pod sim-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,model=sim-model ...
+      kvindex serve --model sim-model --block-size 16 --hash-algo sha256 --pod sim-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,model=sim-model ...
 
-  Engines dial kvindex (kvindex's bind mode, `--listen`): start `kvindex serve --listen tcp://*:5557`
-  first, then let every engine dial it; each
-  engine publishes under the topic kv@<pod>@<model>:
+  Engines dial kvindex (kvindex's bind mode, `--listen`): every engine dials the one address, and
+  publishes under the topic kv@<pod>@<model>; replay sockets bind on --pub's host (loopback here) at
+  5600+i. The printed `kvindex serve --listen` flags bind it:
       kvindex sim --engines 4 --pub tcp://127.0.0.1:5557
+      kvindex serve --listen tcp://127.0.0.1:5557 --model sim-model --block-size 16 --hash-algo sha256
 
-  Ephemeral ports everywhere (tests, CI), drive 50 shared-prefix requests and exit:
-      kvindex sim --engines 2 --pub tcp://127.0.0.1:0 --replay tcp://127.0.0.1:0 --http-port-base 0 --requests 50
+  Ephemeral ports everywhere (tests, CI; replay follows --pub), drive 50 shared-prefix requests and exit:
+      kvindex sim --engines 2 --pub tcp://127.0.0.1:0 --http-port-base 0 --requests 50
 
   Talk to an engine (token ids only; usage.prompt_tokens_details.cached_tokens is the prefix-cache hit):
       curl -s localhost:8200/v1/completions -d '{"model": "sim-model", "prompt": [1,2,3], "max_tokens": 4}'
@@ -78,18 +83,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pub",
         default="tcp://*:5557",
-        help="PUB endpoint: with * (or port 0) engine i binds port+i; with a host every engine dials it "
-        "(a bound `kvindex serve --listen`) (default tcp://*:5557)",
+        help="PUB endpoint: with * (or port 0) engine i binds port+i and kvindex dials it (kvindex's connect "
+        "mode, `kvindex serve --pod`); with a host every engine dials it there (kvindex's bind mode, "
+        "`kvindex serve --listen`) (default tcp://*:5557)",
     )
     parser.add_argument(
         "--replay",
-        default="tcp://*:5600",
-        help="replay ROUTER endpoint, always bound; engine i uses port+i; 'none' disables (default tcp://*:5600)",
+        default=None,
+        help="replay ROUTER endpoint, always bound; engine i uses port+i; 'none' disables (default: port "
+        f"{DEFAULT_REPLAY_PORT} on --pub's host, or on every interface when --pub names another machine; "
+        "ephemeral when --pub's port is)",
     )
     parser.add_argument(
         "--topic",
         default=None,
-        help="ZMQ topic; may use {pod} and {model} (default: empty in bind mode, kv@{pod}@{model} in connect mode)",
+        help="ZMQ topic; may use {pod} and {model} (default: kv@{pod}@{model} when the engines dial kvindex, "
+        "whose bind mode reads pod and model from it; empty when kvindex dials them, its connect mode)",
     )
     parser.add_argument(
         "--buffer-steps", type=int, default=10_000, help="replay ring size in batches (default 10000)"
@@ -130,13 +139,19 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
         raise CliError("--requests must be >= 0 and --max-tokens >= 1")
     if not 0 <= args.http_port_base <= 65535 - args.engines:
         raise CliError("--http-port-base must leave room for one port per engine (0 = ephemeral)")
-    if not args.pub.startswith(("tcp://", "ipc://", "inproc://")):
-        raise CliError(f"--pub must be a ZMQ endpoint such as tcp://*:5557, got {args.pub!r}")
-    replay = None if args.replay.lower() in ("", "none") else args.replay
-    if replay is not None and not replay.startswith("tcp://"):
-        raise CliError(f"--replay must be a tcp:// endpoint or 'none', got {args.replay!r}")
-    connect_mode = not publisher_binds(args.pub)
-    topic_pattern = args.topic if args.topic is not None else ("kv@{pod}@{model}" if connect_mode else "")
+    engines_dial = not publisher_binds(args.pub)  # kvindex's bind mode (`serve --listen`)
+    problem = endpoint_problem(args.pub, dial=engines_dial)
+    if problem is not None:
+        raise CliError(f"--pub {args.pub!r} {problem}, e.g. tcp://*:5557")
+    replay_arg = args.replay if args.replay is not None else default_replay(args.pub)
+    replay = None if replay_arg.lower() in ("", "none") else replay_arg
+    if replay is not None:
+        problem = endpoint_problem(replay, dial=False)
+        if not replay.startswith("tcp://"):
+            problem = "is not a tcp:// address; expected tcp://HOST:PORT"
+        if problem is not None:
+            raise CliError(f"--replay {replay!r} {problem}, or 'none'")
+    topic_pattern = args.topic if args.topic is not None else ("kv@{pod}@{model}" if engines_dial else "")
     if args.hash_seed is None and args.hash_algo.startswith("xxhash"):
         raise CliError(
             f"{args.hash_algo} with PYTHONHASHSEED unset has a random root per engine: pass --hash-seed "
@@ -148,7 +163,7 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
         pod_id = f"{args.pod_prefix}{index}"
         try:
             # vLLM's data-parallel port rule, reused: port+i, port 0 stays ephemeral.
-            pub = args.pub if connect_mode else offset_endpoint_port(args.pub, index)
+            pub = args.pub if engines_dial else offset_endpoint_port(args.pub, index)
             replay_endpoint = offset_endpoint_port(replay, index)
         except ValueError as exc:
             raise CliError(f"--pub/--replay: {exc} (use tcp:// endpoints with several engines)") from exc
@@ -174,6 +189,23 @@ def engine_configs(args: argparse.Namespace) -> list[SimEngineConfig]:
             )
         )
     return configs
+
+
+def default_replay(pub: str) -> str:
+    """--replay's default: port DEFAULT_REPLAY_PORT where the engines' PUB is, so a loopback fleet keeps its
+    replay sockets on loopback too. Engines that bind (`*`, an address, an interface) bind replay there;
+    engines dialling a kvindex on this machine (loopback) bind replay on loopback; dialling another machine,
+    on every interface, since that kvindex must reach them. An ephemeral --pub port makes replay's ephemeral."""
+    if not pub.startswith("tcp://"):
+        return f"tcp://127.0.0.1:{DEFAULT_REPLAY_PORT}"  # ipc:// and inproc:// stay on this machine
+    host, _, port = pub[len("tcp://") :].rpartition(";")[2].rpartition(":")
+    if (
+        not publisher_binds(pub)
+        and host.strip("[]") not in ("localhost", "::1")
+        and not host.startswith("127.")
+    ):
+        host = "*"
+    return f"tcp://{host}:{port if port in ('0', '*') else DEFAULT_REPLAY_PORT}"
 
 
 def publisher_binds(endpoint: str) -> bool:
@@ -232,31 +264,67 @@ async def _serve(engines: Sequence[SimEngine], args: argparse.Namespace, out: Te
 
 
 def _print_fleet(engines: Sequence[SimEngine], args: argparse.Namespace, out: TextIO) -> None:
-    """One line per engine, then the `kvindex serve` command line that indexes the whole fleet."""
+    """One line per engine, then the `kvindex serve` command line that indexes the whole fleet, in
+    `kvindex serve`'s words: engines that bind are dialled with `--pod` (kvindex's connect mode); engines
+    that dial are met by `--listen` (kvindex's bind mode), which needs no per-engine flag."""
+    connect_mode = publisher_binds(engines[0].config.pub_endpoint)  # kvindex's mode, as serve names it
     pod_flags = []
     for engine in engines:
         config = engine.config
         replay = engine.replay_endpoint
-        mode = "bind" if publisher_binds(config.pub_endpoint) else "connect"
-        pod_flag = f"--pod {config.pod_id}={dialable(engine.pub_endpoint)}"
-        if replay is not None:
-            pod_flag += f",replay={dialable(replay)}"
-        pod_flag += f",model={config.model}"
-        pod_flags.append(pod_flag)
+        if connect_mode:
+            pod_flag = f"--pod {config.pod_id}={dialable(engine.pub_endpoint)}"
+            if replay is not None:
+                pod_flag += f",replay={dialable(replay)}"
+            pod_flag += f",model={config.model}"
+            pod_flags.append(pod_flag)
+            mode, hint = "engine binds: kvindex connect mode", f"  serve: {pod_flag}"
+        else:
+            mode, hint = "engine dials: kvindex bind mode", ""
         print(
             f"{config.pod_id}  http={engine.http_url}  pub={engine.pub_endpoint} ({mode})  "
-            f"replay={replay or '-'}  topic={config.topic!r}  serve: {pod_flag}",
+            f"replay={replay or '-'}  topic={config.topic!r}{hint}",
             file=out,
         )
     common = f"--model {args.model} --block-size {args.block_size} --hash-algo {args.hash_algo}"
     if args.hash_seed is not None:
         common += f" --hash-seed {args.hash_seed}"
-    if publisher_binds(engines[0].config.pub_endpoint):
+    if connect_mode:
         print(f"index them with: kvindex serve {common} {' '.join(pod_flags)}", file=out)
-    else:
-        port = engines[0].config.pub_endpoint.rsplit(":", 1)[-1]
-        print(f"index them with: kvindex serve --listen tcp://*:{port} {common}", file=out)
+        out.flush()
+        return
+    listen = _listen_for(engines[0].config.pub_endpoint)
+    replays = [engine.replay_endpoint for engine in engines if engine.replay_endpoint is not None]
+    # A --listen-replay template names a pod's replay socket by {pod} and {model}: one engine's fixed
+    # address works, but not one port per engine on a shared host.
+    listen_replay = f" --listen-replay {dialable(replays[0])}" if len(engines) == 1 and replays else ""
+    print(f"index them with: kvindex serve --listen {listen}{listen_replay} {common}", file=out)
+    if replays and not listen_replay:
+        print(
+            "  (no --listen-replay: each engine's replay socket has its own port, which a template of {pod} "
+            "and {model} cannot name; a lost message waits for the engine's next AllBlocksCleared)",
+            file=out,
+        )
     out.flush()
+
+
+def _listen_for(pub: str) -> str:
+    """What `kvindex serve --listen` binds for engines dialling `pub`: the same address when it is this
+    machine's loopback, else every interface on that port (the address names the indexer's machine)."""
+    host, _, port = pub[len("tcp://") :].rpartition(":") if pub.startswith("tcp://") else ("", "", "")
+    if not port:
+        return pub  # ipc:// and inproc:// are bound as named
+    return pub if _is_loopback(host) else f"tcp://*:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def _drive_workload(engines: Sequence[SimEngine], args: argparse.Namespace, out: TextIO) -> None:

@@ -11,21 +11,15 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import msgspec
-from kvindex.api.settings import (
-    DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_TOKENS,
-    ApiKey,
-    ApiSettings,
-    default_tier_weights,
-)
+from kvindex.api.settings import ApiKey, ApiSettings, default_tier_weights
+from kvindex.cli.endpoints import endpoint_problem
 from kvindex.hashing.algorithms import HASH_ALGOS
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.scorer import DEFAULT_UNKNOWN_TIER_WEIGHT
+from msgspec import Meta
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 # The GIL switch interval of `kvindex serve` (Python's default is 5 ms). Ingest threads share the GIL with
@@ -55,67 +49,304 @@ class ServeConfig(msgspec.Struct, frozen=True):
     seed_sources: dict[str, str] = {}
     # Where the API key came from ("--api-key", "KVINDEX_API_KEY" or "config file"); None: no key.
     api_key_source: str | None = None
+    # (pod id, dp rank) -> where the pod's entry came from: "--pod", "config file", or
+    # "--pod, replacing the config file's entry" (logged at start-up).
+    pod_sources: dict[tuple[str, int], str] = {}
 
 
 # --- the TOML file, as written by an operator ------------------------------------------------------
+# Every key carries its meaning (Meta description) and its bounds; defaults come from the settings structs
+# the key fills, so `python -m kvindex.cli.config_doc` (docs/CONFIGURATION.md) is generated from here.
+
+_INGEST = IngestSettings()
+_API = ApiSettings()
+_MODEL = ModelConfig(name="")
+
+
+def _key(description: str, *, ge: int | None = None, gt: int | None = None) -> Meta:
+    """A TOML key's meaning (docs/CONFIGURATION.md prints it) and its bounds (checked on load)."""
+    if gt is not None:
+        return Meta(description=description, gt=gt)
+    if ge is not None:
+        return Meta(description=description, ge=ge)
+    return Meta(description=description)
 
 
 class _ModelSection(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    block_size: int | None = None
-    hash_algo: str | None = None
-    hash_seed: str | None = None
-    lora_adapters: dict[str, str] = {}
-    prefix_group_idxs: list[int] | None = None
+    """One served model; pods name it with `model`. `--model NAME` with `--block-size`, `--hash-algo`
+    and `--hash-seed` adds a model or changes the file's entry of that name."""
+
+    name: Annotated[str, _key("The model name routers send in `model` and pods name in `model`.")]
+    block_size: Annotated[int, _key("Tokens per KV block: the engines' `--block-size`.", ge=1)] = (
+        _MODEL.block_size
+    )
+    hash_algo: Annotated[
+        str,
+        _key(f"The engines' `--prefix-caching-hash-algo`: one of {', '.join(f'`{a}`' for a in HASH_ALGOS)}."),
+    ] = _MODEL.hash_algo
+    hash_seed: Annotated[
+        str | None,
+        _key(
+            "The engines' `PYTHONHASHSEED`. Unset: this process's `PYTHONHASHSEED`; if that is unset too, "
+            "vLLM's rule (a fixed root for sha256 variants; xxhash variants are refused, since their root "
+            "is random per engine process)."
+        ),
+    ] = None
+    lora_adapters: Annotated[
+        dict[str, str],
+        _key(
+            "LoRA adapter name -> path, so routers may send only `lora_name` (vLLM hashes the name and "
+            "the path)."
+        ),
+    ] = {}
+    prefix_group_idxs: Annotated[
+        list[int],
+        _key(
+            "KV-cache groups (`group_idx`) whose blocks form the scored prefix; events of other groups "
+            "are counted and kept out of scoring."
+        ),
+    ] = msgspec.field(default_factory=lambda: sorted(_MODEL.prefix_group_idxs))
 
 
 class _PodSection(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    endpoint: str
-    replay: str | None = None
-    model: str | None = None
-    dp_rank: int = 0
+    """A pod in connect mode (kvindex dials it), one entry per (id, dp rank); the same as `--pod`. A
+    `--pod` with the same id and dp rank replaces the entry; two entries for one (id, dp rank) are refused."""
+
+    id: Annotated[str, _key("The pod id routers see in scores and send in `pods` (no `@`).")]
+    endpoint: Annotated[str, _key("The engine's PUB socket, `tcp://HOST:PORT` (vLLM's `endpoint`).")]
+    replay: Annotated[
+        str | None,
+        _key(
+            "The engine's replay ROUTER socket, `tcp://HOST:PORT` (vLLM's `replay_endpoint`). Unset: "
+            "no replay, so a lost message clears the pod until the engine's next `AllBlocksCleared`."
+        ),
+    ] = None
+    model: Annotated[str | None, _key("The model the pod serves; unset: the only configured model.")] = None
+    dp_rank: Annotated[
+        int,
+        _key(
+            "The engine's data-parallel rank; vLLM adds it to both ports, so give each rank its own entry "
+            "with the offset ports.",
+            ge=0,
+        ),
+    ] = 0
 
 
 class _TierSection(msgspec.Struct, forbid_unknown_fields=True):
-    weights: dict[str, float] = msgspec.field(default_factory=default_tier_weights)
-    unknown_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT
+    """How a block of the matched run counts in `score`: the weight of the best tier holding it."""
+
+    weights: Annotated[
+        dict[str, Annotated[float, Meta(ge=0)]],
+        _key("Tier name (as the engines' events name it) -> weight, >= 0."),
+    ] = msgspec.field(default_factory=default_tier_weights)
+    unknown_weight: Annotated[
+        float,
+        _key("The weight of a tier not in `weights` (explicitly low: nobody said how fast it is).", ge=0),
+    ] = _API.unknown_tier_weight
 
 
 class _LimitsSection(msgspec.Struct, forbid_unknown_fields=True):
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    hash_in_executor_min_tokens: int = DEFAULT_HASH_IN_EXECUTOR_MIN_TOKENS
+    """What a client may send to `POST /v1/score`."""
+
+    max_body_bytes: Annotated[
+        int, _key("The largest request body accepted; bigger ones answer 413.", ge=1)
+    ] = _API.max_body_bytes
+    max_tokens: Annotated[
+        int,
+        _key("The most `token_ids` (or `block_hashes`) one score request may carry; more answer 400.", ge=1),
+    ] = _API.max_tokens
+    hash_in_executor_min_tokens: Annotated[
+        int,
+        _key(
+            "Prompts of at least this many tokens are hashed on a worker thread, so the event loop keeps "
+            "answering other requests meanwhile.",
+            ge=1,
+        ),
+    ] = _API.hash_in_executor_min_tokens
 
 
 class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
-    num_workers: int | None = None
-    queue_size: int | None = None
-    queue_full_wait_s: float | None = None
-    silent_after_s: float | None = None
-    disconnected_grace_s: float | None = None
-    forget_after_s: float | None = None
-    quiet_probe_after_s: float | None = None
-    replay_timeout_s: float | None = None
-    hash_check_every: int | None = None
-    index_shards: int | None = None
-    index_max_keys: int | None = None
-    index_max_pods_per_key: int | None = None
+    """How the write path runs (IngestSettings); the defaults suit a fleet of hundreds of pods."""
+
+    num_workers: Annotated[
+        int,
+        _key(
+            "Threads applying events; each pod always maps to one. More did not ingest faster under the "
+            "GIL, and made lookups during ingest slower.",
+            ge=1,
+        ),
+    ] = _INGEST.num_workers
+    queue_size: Annotated[
+        int,
+        _key(
+            "Messages queued per worker; past it a message is dropped and the gap repaired by replay.", ge=1
+        ),
+    ] = _INGEST.queue_size
+    queue_full_wait_s: Annotated[
+        float,
+        _key(
+            "How long a full queue holds the poller (messages wait in ZMQ's buffers) before a message is "
+            "dropped: a burst costs latency instead of a gap.",
+            ge=0,
+        ),
+    ] = _INGEST.queue_full_wait_s
+    max_batch: Annotated[
+        int,
+        _key("Messages a worker takes per wake-up (one index update per pod among them).", ge=1),
+    ] = _INGEST.max_batch
+    silent_after_s: Annotated[
+        float,
+        _key("A connected pod that sent nothing for this long shows `state: silent`.", gt=0),
+    ] = _INGEST.silent_after_s
+    disconnected_grace_s: Annotated[
+        float,
+        _key(
+            "A disconnected pod's blocks still count in score answers (flagged with its state) for this "
+            "long; past it they are kept but left out of answers unless the request asks for "
+            "`disconnected` in `states`.",
+            gt=0,
+        ),
+    ] = _INGEST.disconnected_grace_s
+    forget_after_s: Annotated[
+        float,
+        _key(
+            "A pod disconnected this long has its blocks dropped to free memory; its return is a fresh join.",
+            gt=0,
+        ),
+    ] = _INGEST.forget_after_s
+    quiet_probe_after_s: Annotated[
+        float,
+        _key(
+            "A pod quiet this long after activity (or after connecting) has its replay ring probed, so a "
+            "lost last message is found.",
+            gt=0,
+        ),
+    ] = _INGEST.quiet_probe_after_s
+    replay_timeout_s: Annotated[
+        float,
+        _key(
+            "A replay request fails when no reply came for this long (an idle timeout: a large ring "
+            "streamed at any pace completes).",
+            gt=0,
+        ),
+    ] = _INGEST.replay_timeout_s
+    replay_retry_base_s: Annotated[
+        float,
+        _key(
+            "A failed replay request is retried after this delay, doubled per attempt up to "
+            "`replay_retry_max_s` (5 attempts in all, each counted in `kvindex_replays_total{outcome}`).",
+            gt=0,
+        ),
+    ] = _INGEST.replay_retry_base_s
+    replay_retry_max_s: Annotated[
+        float, _key("The longest delay between two attempts of one replay request.", gt=0)
+    ] = _INGEST.replay_retry_max_s
+    reconnect_settle_s: Annotated[
+        float,
+        _key(
+            "After a SUB (re)connection, wait this long for the subscription to take effect before asking "
+            "the ring, so the ring's answer and the live stream overlap.",
+            ge=0,
+        ),
+    ] = _INGEST.reconnect_settle_s
+    max_concurrent_replays: Annotated[
+        int, _key("Replay requests open at once (one DEALER socket each); more wait their turn.", ge=1)
+    ] = _INGEST.max_concurrent_replays
+    hash_check_every: Annotated[
+        int,
+        _key(
+            "After each pod's first few, 1 in N eligible `BlockStored` events has its hashes recomputed "
+            "from its tokens; a disagreement marks the pod `hash_mismatch`.",
+            ge=1,
+        ),
+    ] = _INGEST.hash_check_every
+    index_shards: Annotated[
+        int,
+        _key("Lock shards per model index; under the GIL more shards only add routing work.", ge=1),
+    ] = _INGEST.index_shards
+    index_max_keys: Annotated[
+        int,
+        _key(
+            "Block keys per model index; past it the least recently stored keys are evicted (see the "
+            "memory table below).",
+            ge=1,
+        ),
+    ] = _INGEST.index_max_keys
+    index_max_pods_per_key: Annotated[
+        int,
+        _key("Pod entries per block key; past it the least recently stored entry is evicted.", ge=1),
+    ] = _INGEST.index_max_pods_per_key
+    rcvhwm: Annotated[
+        int,
+        _key(
+            "ZMQ receive high-water mark per SUB socket, in messages; when full the engine's PUB drops "
+            "(a gap, repaired by replay).",
+            ge=1,
+        ),
+    ] = _INGEST.rcvhwm
+    reconnect_ivl_ms: Annotated[
+        int, _key("ZMQ's first reconnection delay after a pod's connection drops.", ge=1)
+    ] = _INGEST.reconnect_ivl_ms
+    reconnect_ivl_max_ms: Annotated[
+        int, _key("ZMQ's longest reconnection delay (the delay doubles up to it).", ge=1)
+    ] = _INGEST.reconnect_ivl_max_ms
 
 
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
-    http: str | None = None
-    min_live_pods: int | None = None
-    api_key: str | None = None
-    listen: str | list[str] | None = None
-    listen_replay: str | None = None
-    log_level: str | None = None
-    switch_interval_ms: float | None = None
+    """The file `--config FILE` names; every key is optional. Flags override it."""
+
+    http: Annotated[str, _key("Where to serve the HTTP API, `HOST:PORT` (IPv6 as `[::1]:8080`).")] = (
+        DEFAULT_HTTP
+    )
+    min_live_pods: Annotated[
+        int,
+        _key(
+            "`/readyz` answers 200 once at least this many pods are live and no reachable pod is in its "
+            "first sync (0: ready without any).",
+            ge=0,
+        ),
+    ] = _API.min_live_pods
+    api_key: Annotated[
+        str | None,
+        _key(
+            "The key `/v1/*` requires (`Authorization: Bearer <key>`; health, readiness and metrics stay "
+            f"open). `--api-key`, then `{API_KEY_ENV}`, beat it; prefer the variable to a file that many "
+            "can read. Unset: `/v1/*` is open."
+        ),
+    ] = None
+    listen: Annotated[
+        str | list[str],
+        _key(
+            "Bind mode: bind a SUB socket here for engines that dial in (topic `kv@<pod>@<model>`). vLLM "
+            "offsets the endpoint an engine dials by its DP rank, so give one endpoint per rank "
+            '(`["tcp://*:5557", "tcp://*:5558"]` for DP size 2). Empty: no bind mode.'
+        ),
+    ] = msgspec.field(default_factory=list)
+    listen_replay: Annotated[
+        str | None,
+        _key(
+            "Bind mode: the replay endpoint of a pod that dialled in, a template with `{pod}` and `{model}` "
+            "(e.g. `tcp://{pod}:5558`); rank r > 0 is reached at the template's port + r. Unset: no "
+            "replay, so a gap clears the pod until it resyncs."
+        ),
+    ] = None
+    log_level: Annotated[str, _key("Log verbosity: `debug`, `info`, `warning` or `error`.")] = "info"
+    switch_interval_ms: Annotated[
+        float,
+        _key(
+            "The GIL switch interval (`sys.setswitchinterval`), in (0, 1000]: shorter hands the GIL from "
+            "ingest threads to the score path sooner (Python's own default is 5)."
+        ),
+    ] = DEFAULT_SWITCH_INTERVAL_MS
     models: list[_ModelSection] = []
     pods: list[_PodSection] = []
-    tiers: _TierSection | None = None
-    limits: _LimitsSection | None = None
-    ingest: _IngestSection | None = None
+    tiers: _TierSection = msgspec.field(default_factory=_TierSection)
+    limits: _LimitsSection = msgspec.field(default_factory=_LimitsSection)
+    ingest: _IngestSection = msgspec.field(default_factory=_IngestSection)
+
+
+# IngestSettings fields the [ingest] table does not carry, and where they come from instead.
+INGEST_FIELDS_ELSEWHERE = {"listen_replay_template": "the top-level `listen_replay` key or `--listen-replay`"}
 
 
 def load_config_file(path: str | Path) -> _ConfigFile:
@@ -207,13 +438,6 @@ class ServeArgs(Protocol):
     api_key: str | None
 
 
-def _min_live_pods(flag: int | None, file_value: int | None) -> int:
-    value = int(_first_given(flag, file_value, 1))
-    if value < 0:
-        raise ConfigError(f"--min-live-pods must be >= 0, got {value}")
-    return value
-
-
 def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     """Merge the TOML file named by `args.config` (if any) with the flags; flags win.
 
@@ -225,7 +449,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
 
     models, seed_sources = _merge_models(file.models, args, env)
     model_names = [model.name for model in models]
-    pods = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
+    pods, pod_sources = _merge_pods(file.pods, [parse_pod_flag(text) for text in args.pod or ()], model_names)
 
     listen = _listen_endpoints(args.listen, file.listen)
     listen_replay = args.listen_replay or file.listen_replay
@@ -236,44 +460,28 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     if not pods and not listen:
         raise ConfigError("nothing to subscribe to: give at least one --pod ID=ENDPOINT or --listen ENDPOINT")
 
-    host, port = parse_host_port(args.http or file.http or DEFAULT_HTTP)
-    tiers = file.tiers or _TierSection()
-    limits = file.limits or _LimitsSection()
-    _check_positive("limits.max_body_bytes", limits.max_body_bytes)
-    _check_positive("limits.max_tokens", limits.max_tokens)
-    for tier, weight in tiers.weights.items():
-        if weight < 0:
-            raise ConfigError(f"tiers.weights.{tier} must be >= 0, got {weight}")
-    if tiers.unknown_weight < 0:
-        raise ConfigError(f"tiers.unknown_weight must be >= 0, got {tiers.unknown_weight}")
+    host, port = parse_host_port(args.http or file.http)
     api_key, api_key_source = _api_key(args.api_key, env.get(API_KEY_ENV), file.api_key)
     api = ApiSettings(
         host=host,
         port=port,
-        max_body_bytes=limits.max_body_bytes,
-        max_tokens=limits.max_tokens,
-        tier_weights=dict(tiers.weights),
-        unknown_tier_weight=tiers.unknown_weight,
-        hash_in_executor_min_tokens=limits.hash_in_executor_min_tokens,
-        min_live_pods=_min_live_pods(args.min_live_pods, file.min_live_pods),
+        max_body_bytes=file.limits.max_body_bytes,
+        max_tokens=file.limits.max_tokens,
+        tier_weights=dict(file.tiers.weights),
+        unknown_tier_weight=file.tiers.unknown_weight,
+        hash_in_executor_min_tokens=file.limits.hash_in_executor_min_tokens,
+        min_live_pods=args.min_live_pods if args.min_live_pods is not None else file.min_live_pods,
         api_key=api_key,
     )
+    if api.min_live_pods < 0:  # --min-live-pods (the file's value is bounded on load)
+        raise ConfigError(f"--min-live-pods must be >= 0, got {api.min_live_pods}")
+    ingest = IngestSettings(listen_replay_template=listen_replay, **msgspec.structs.asdict(file.ingest))
 
-    ingest_overrides = {
-        key: value
-        for key, value in msgspec.structs.asdict(file.ingest or _IngestSection()).items()
-        if value is not None
-    }
-    for key, value in ingest_overrides.items():
-        if value <= 0:
-            raise ConfigError(f"ingest.{key} must be > 0, got {value}")
-    ingest = IngestSettings(listen_replay_template=listen_replay, **ingest_overrides)
-
-    log_level = (args.log_level or file.log_level or "info").lower()
+    log_level = (args.log_level or file.log_level).lower()
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log level must be one of debug, info, warning, error, got {log_level!r}")
-    switch_interval_ms = _first_given(
-        args.switch_interval_ms, file.switch_interval_ms, DEFAULT_SWITCH_INTERVAL_MS
+    switch_interval_ms = (
+        args.switch_interval_ms if args.switch_interval_ms is not None else file.switch_interval_ms
     )
     if not 0 < switch_interval_ms <= 1000:
         raise ConfigError(f"--switch-interval-ms must be in (0, 1000], got {switch_interval_ms}")
@@ -287,6 +495,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         log_level=log_level,
         seed_sources=seed_sources,
         api_key_source=api_key_source,
+        pod_sources=pod_sources,
     )
 
 
@@ -319,22 +528,21 @@ def _api_key(
     return None, None
 
 
-def _first_given(*values: float | None) -> float:
-    return next(value for value in values if value is not None)
-
-
-def _listen_endpoints(flags: Sequence[str] | None, file_listen: str | list[str] | None) -> tuple[str, ...]:
+def _listen_endpoints(flags: Sequence[str] | None, file_listen: str | list[str]) -> tuple[str, ...]:
     """--listen flags (repeatable) replace the file's `listen` (a string or a list); duplicates refused."""
     if flags:
         endpoints, source = list(flags), "--listen"
     elif isinstance(file_listen, str):
         endpoints, source = [file_listen], "listen"
     else:
-        endpoints, source = list(file_listen or ()), "listen"
+        endpoints, source = list(file_listen), "listen"
     seen: set[str] = set()
     for endpoint in endpoints:
         if not endpoint:
             raise ConfigError(f"{source} must name an endpoint, e.g. tcp://*:5557")
+        problem = endpoint_problem(endpoint, dial=False)
+        if problem is not None:
+            raise ConfigError(f"{source} {endpoint!r} {problem}, e.g. tcp://*:5557")
         # An ephemeral port (":*" or ":0") binds a fresh socket each time; only a fixed one can clash.
         if endpoint in seen and not endpoint.endswith((":*", ":0")):
             raise ConfigError(
@@ -348,18 +556,16 @@ def _check_replay_template(template: str) -> None:
     """The ingest service fills in {pod} and {model} only; anything else would fail per pod at run time."""
     hint = "use the placeholders {pod} and {model} only, e.g. tcp://{pod}:5558"
     try:
-        template.format(pod="pod", model="model")
+        filled = template.format(pod="pod", model="model")
     except KeyError as exc:
         raise ConfigError(
             f"--listen-replay {template!r} uses the unknown placeholder {{{exc.args[0]}}}; {hint}"
         ) from None
     except (IndexError, ValueError) as exc:
         raise ConfigError(f"--listen-replay {template!r} is not a valid template ({exc}); {hint}") from None
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
+    problem = endpoint_problem(filled, dial=True)
+    if problem is not None:
+        raise ConfigError(f"--listen-replay {template!r} {problem}, e.g. tcp://{{pod}}:5558")
 
 
 def _merge_models(
@@ -374,24 +580,14 @@ def _merge_models(
     seed_sources = {name: "config file" for name, s in by_name.items() if s.hash_seed is not None}
     if args.model is not None:
         section = by_name.get(args.model) or _ModelSection(name=args.model)
-        by_name[args.model] = msgspec.structs.replace(
-            section,
-            block_size=args.block_size if args.block_size is not None else section.block_size,
-            hash_algo=args.hash_algo if args.hash_algo is not None else section.hash_algo,
-            hash_seed=args.hash_seed if args.hash_seed is not None else section.hash_seed,
-        )
+        by_name[args.model] = _with_model_flags(section, args)
     elif args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
         if len(by_name) != 1:
             raise ConfigError(
                 "--block-size, --hash-algo and --hash-seed need --model NAME to say which model"
             )
         (only,) = by_name.values()
-        by_name[only.name] = msgspec.structs.replace(
-            only,
-            block_size=args.block_size if args.block_size is not None else only.block_size,
-            hash_algo=args.hash_algo if args.hash_algo is not None else only.hash_algo,
-            hash_seed=args.hash_seed if args.hash_seed is not None else only.hash_seed,
-        )
+        by_name[only.name] = _with_model_flags(only, args)
     if not by_name:
         raise ConfigError("no model configured: pass --model NAME or a --config file with [[models]]")
     if args.hash_seed is not None:
@@ -402,14 +598,23 @@ def _merge_models(
     return [_model_config(section, env_seed) for section in by_name.values()], seed_sources
 
 
+def _with_model_flags(section: _ModelSection, args: ServeArgs) -> _ModelSection:
+    return msgspec.structs.replace(
+        section,
+        block_size=args.block_size if args.block_size is not None else section.block_size,
+        hash_algo=args.hash_algo if args.hash_algo is not None else section.hash_algo,
+        hash_seed=args.hash_seed if args.hash_seed is not None else section.hash_seed,
+    )
+
+
 def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:
     name = section.name
     if not name:
         raise ConfigError("a model name must not be empty")
-    block_size = section.block_size if section.block_size is not None else 16
-    if block_size < 1:
+    block_size = section.block_size
+    if block_size < 1:  # --block-size (the file's value is bounded on load)
         raise ConfigError(f"model {name!r}: block size must be >= 1, got {block_size}")
-    hash_algo = section.hash_algo or "sha256"
+    hash_algo = section.hash_algo
     if hash_algo not in HASH_ALGOS:
         raise ConfigError(
             f"model {name!r}: hash algo must be one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}"
@@ -423,9 +628,7 @@ def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:
     for adapter, path in section.lora_adapters.items():
         if not adapter or not path:
             raise ConfigError(f"model {name!r}: lora_adapters entries need a non-empty name and path")
-    group_idxs = (
-        frozenset(section.prefix_group_idxs) if section.prefix_group_idxs is not None else frozenset({0})
-    )
+    group_idxs = frozenset(section.prefix_group_idxs)
     if not group_idxs or min(group_idxs) < 0:
         raise ConfigError(f"model {name!r}: prefix_group_idxs must be a non-empty list of group ids >= 0")
     return ModelConfig(
@@ -438,13 +641,40 @@ def _model_config(section: _ModelSection, env_seed: str | None) -> ModelConfig:
     )
 
 
+class _PodEntry(msgspec.Struct, frozen=True):
+    pod_id: str
+    endpoint: str
+    replay: str | None
+    model: str | None
+    dp_rank: int
+    source: str  # "config file" or "--pod"
+
+
 def _merge_pods(
     sections: Sequence[_PodSection], flags: Sequence[PodFlag], model_names: Sequence[str]
-) -> list[PodConfig]:
+) -> tuple[list[PodConfig], dict[tuple[str, int], str]]:
+    """The pods of the file, then of the flags, one per (id, dp rank), with where each came from.
+
+    One (id, dp rank) twice in one source is refused: the index, the stream table and scores all key a
+    pod by it, so one entry would silently win. A --pod for a (id, dp rank) the file lists replaces the
+    file's entry (flags override the file); the start-up log says so.
+    """
+    entries = [_PodEntry(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
+    entries += [_PodEntry(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
     by_stream: dict[tuple[str, int], PodConfig] = {}
-    entries = [(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
-    entries += [(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
-    for pod_id, endpoint, replay, model, dp_rank, source in entries:
+    sources: dict[tuple[str, int], str] = {}
+    seen: set[tuple[str, int, str]] = set()  # (pod id, dp rank, source)
+    for entry in entries:
+        pod_id, source = entry.pod_id, entry.source
+        stream = (pod_id, entry.dp_rank)
+        if (*stream, source) in seen:
+            given = "in the config file" if source == "config file" else "(--pod and --pod)"
+            raise ConfigError(
+                f"pod {pod_id!r} dp rank {entry.dp_rank} is given twice {given}; "
+                "pod ids must be unique per dp rank"
+            )
+        seen.add((*stream, source))
+        model = entry.model
         if model is None:
             if len(model_names) != 1:
                 raise ConfigError(
@@ -455,10 +685,18 @@ def _merge_pods(
             raise ConfigError(
                 f"pod {pod_id!r} ({source}) names unknown model {model!r}; known: {', '.join(model_names)}"
             )
-        if dp_rank < 0:
+        if entry.dp_rank < 0:
             raise ConfigError(f"pod {pod_id!r} ({source}): dp_rank must be >= 0")
-        # A --pod flag for a stream the file already lists replaces the file's entry.
-        by_stream[(pod_id, dp_rank)] = PodConfig(
-            pod_id=pod_id, endpoint=endpoint, model=model, replay_endpoint=replay, dp_rank=dp_rank
+        for what, endpoint in (("endpoint", entry.endpoint), ("replay endpoint", entry.replay)):
+            problem = None if endpoint is None else endpoint_problem(endpoint, dial=True)
+            if problem is not None:
+                raise ConfigError(f"pod {pod_id!r} ({source}): {what} {endpoint!r} {problem}")
+        sources[stream] = "--pod, replacing the config file's entry" if stream in sources else source
+        by_stream[stream] = PodConfig(
+            pod_id=pod_id,
+            endpoint=entry.endpoint,
+            model=model,
+            replay_endpoint=entry.replay,
+            dp_rank=entry.dp_rank,
         )
-    return list(by_stream.values())
+    return list(by_stream.values()), sources

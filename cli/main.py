@@ -40,13 +40,45 @@ class CliError(Exception):
     """A usage or input problem: printed as one sentence on stderr, exit code 2."""
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag it does not know is reported with the subcommand's own usage.
+
+    argparse hands whatever a subcommand's parser leaves over back to the top-level parser, which then
+    prints `usage: kvindex [-h] COMMAND ...`, naming none of the command's flags. A subcommand's parser
+    gets every argument after the command's name, so anything it leaves over is a mistake in it.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")  # exits 2 with this usage
+        return parsed, extras
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject takes it from kvindex.__version__, the one place
+    it is written; read from the metadata because cli/ may not import the package root)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("kvindex")
+    except PackageNotFoundError:  # importable without being installed: nothing says which version
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvindex",
         description="Cross-pod KV-cache indexer for vLLM fleets.",
         epilog="Run `kvindex COMMAND --help` for a command's options.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "--version", action="version", version=f"kvindex {version()}", help="print the version and exit"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module: Subcommand = importlib.import_module(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=help_text)

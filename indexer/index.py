@@ -629,6 +629,10 @@ class KVIndex:
                 total += shard.entry_live.get(entry_id, 0)
         return total
 
+    def has_pod_id(self, pod_id: str) -> bool:
+        """True once this pod id (any dp rank or tier) has held a block here; clears do not reset it."""
+        return pod_id in self._pod_id_entry_ids
+
     def pods(self) -> list[PodRef]:
         """Pods (with dp rank) holding at least one block, sorted."""
         return sorted(pod for pod in list(self._pod_entry_ids) if self.pod_block_count(pod))

@@ -31,7 +31,8 @@ GOOD_TOKENS = list(range(100, 100 + 64))
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
     engine = Engine("pod-a", model="m")
-    service = start_service(MODELS, [engine])
+    idle = Engine("pod-idle", model="m")  # a stream that never stores a block
+    service = start_service(MODELS, [engine, idle])
     settings = ApiSettings(host="127.0.0.1", port=0, max_body_bytes=BODY_LIMIT, max_tokens=TOKEN_LIMIT)
     server = ServerThread(service, settings).start()
     try:
@@ -43,6 +44,7 @@ def server() -> Iterator[tuple[IngestService, ServerThread, Engine]]:
         server.stop()
         service.stop()
         engine.close()
+        idle.close()
 
 
 def j(value: Any) -> bytes:
@@ -106,7 +108,7 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str]] = [
             }
         ),
         400,
-        "mm[0]",
+        "mm[0].colour: unknown field",
     ),
     (
         "mm negative offset",
@@ -131,6 +133,31 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str]] = [
         j({"model": "m", "token_ids": [1] * 4, "mm": [{"identifier": "", "offset": 0, "length": 1}]}),
         400,
         "mm[0].identifier",
+    ),
+    # Unknown fields: a router with a typo, or one sending text, must hear it was not understood.
+    (
+        "unknown extra key",
+        j({"model": "m", "token_ids": GOOD_TOKENS, "priority": 3}),
+        400,
+        "priority: unknown field",
+    ),
+    (
+        "misspelt token_ids",
+        j({"model": "m", "token_id": [1]}),
+        400,
+        "token_id: unknown field; did you mean token_ids?",
+    ),
+    (
+        "text prompt",
+        j({"model": "m", "prompt": "You are a helpful assistant."}),
+        400,
+        "prompt: text is not accepted; send token_ids (tokenize with the model's tokenizer) or block_hashes",
+    ),
+    (
+        "mm misspelt key",
+        j({"model": "m", "token_ids": [1], "mm": [{"identifer": "x"}]}),
+        400,
+        "mm[0].identifer",
     ),
     ("pods not a list", j({"model": "m", "token_ids": [1], "pods": "pod-a"}), 400, "pods"),
     ("pods empty", j({"model": "m", "token_ids": [1], "pods": []}), 400, "pods"),
@@ -210,7 +237,6 @@ ODD_GOOD_REQUESTS: list[tuple[str, bytes, str | None]] = [
         ),
         "application/json",
     ),
-    ("unknown extra key", j({"model": "m", "token_ids": GOOD_TOKENS, "priority": 3}), "application/json"),
     ("pods naming pod-a", j({"model": "m", "token_ids": GOOD_TOKENS, "pods": ["pod-a", "gone"]}), None),
     ("whitespace around the document", b"  \n" + j({"model": "m", "token_ids": GOOD_TOKENS}) + b"\n ", None),
 ]
@@ -329,6 +355,31 @@ async def request(method: str, url: str) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         async with session.request(method, url) as response:
             return response.status, await response.json()
+
+
+def test_pods_the_service_does_not_know_are_named_in_the_answer(
+    server: tuple[IngestService, ServerThread, Engine],
+) -> None:
+    # A typo in `pods` scores nothing for that pod, which looks like an empty cache: the answer says so.
+    _, http, _ = server
+    url = http.url + "/v1/score"
+    asked = ["gone", "pod-a", "pod-idle", "gone", "pod-b"]
+    status, payload = asyncio.run(post_raw(url, j({"model": "m", "token_ids": GOOD_TOKENS, "pods": asked})))
+    assert status == 200, payload
+    assert payload["unknown_pods"] == ["gone", "pod-b"]  # pod-idle has a stream, only no block yet
+    assert [(s["pod"], s["matched_blocks"]) for s in payload["scores"]] == [("pod-a", 4)]
+    # pod-a is a pod of model m, not of m2.
+    status, payload = asyncio.run(
+        post_raw(url, j({"model": "m2", "token_ids": GOOD_TOKENS, "pods": ["pod-a"]}))
+    )
+    assert status == 200 and payload["unknown_pods"] == ["pod-a"], payload
+    status, payload = asyncio.run(
+        post_raw(url, j({"model": "m", "token_ids": GOOD_TOKENS, "pods": ["pod-a"]}))
+    )
+    assert status == 200 and payload["unknown_pods"] == [], payload
+    # Without `pods` the answer is as before: no unknown_pods key.
+    status, payload = asyncio.run(post_raw(url, j({"model": "m", "token_ids": GOOD_TOKENS})))
+    assert status == 200 and "unknown_pods" not in payload, payload
 
 
 def test_unknown_routes_and_methods_are_json_errors(

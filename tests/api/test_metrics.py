@@ -4,8 +4,10 @@ request metrics, from a real server fed by a real engine stream."""
 from __future__ import annotations
 
 import asyncio
+import platform
 import re
 from collections.abc import Iterator
+from importlib.metadata import version
 
 import aiohttp
 import msgspec
@@ -117,6 +119,16 @@ def test_request_metrics(served: tuple[IngestService, ServerThread, Engine]) -> 
     le2 = ("kvindex_score_matched_blocks_bucket", (("le", "2.0"),))
     assert after[le4] - before.get(le4, 0) == 1
     assert after[le2] - before.get(le2, 0) == 0
+
+
+def test_build_and_model_info(served: tuple[IngestService, ServerThread, Engine]) -> None:
+    _, server, _ = served
+    samples = scrape(server)
+    build = ("kvindex_build_info", (("python", platform.python_version()), ("version", version("kvindex"))))
+    assert samples[build] == 1
+    assert (
+        samples[("kvindex_model_info", (("block_size", "16"), ("hash_algo", "sha256"), ("model", "m")))] == 1
+    )
 
 
 def test_each_app_has_its_own_registry(served: tuple[IngestService, ServerThread, Engine]) -> None:

@@ -79,7 +79,8 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     # The start-up lines an operator checks the settings with.
     assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
     assert (
-        f"pod pod-a dp rank 0 (model m): events {engine.endpoint}, replay {engine.replay_endpoint}" in stderr
+        f"pod pod-a dp rank 0 (model m, from --pod): events {engine.endpoint}, replay {engine.replay_endpoint}"
+        in stderr
     )
 
 
@@ -208,6 +209,45 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
             proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()  # stderr is closed by its reader (stderr_lines)
+
+
+def test_serve_warns_about_a_pod_host_that_does_not_resolve_and_keeps_serving() -> None:
+    """`.invalid` never resolves (RFC 6761): a WARNING names the pod and the host; the server still
+    serves (DNS may come up later in Kubernetes) and an IP literal is never looked up."""
+    pods = [
+        "--pod",
+        "pod-a=tcp://pod-a.no-such-host.invalid:5557,replay=tcp://pod-a.no-such-host.invalid:5558",
+    ]
+    pods += ["--pod", "pod-b=tcp://127.0.0.1:1"]
+    argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m", *pods]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = stderr_lines(proc)
+    try:
+        line = read_line(proc, 30.0)
+        assert line.startswith(LISTENING), line
+        url = line[len(LISTENING) :].strip()
+        seen: list[str] = []
+        while not any("WARNING" in text for text in seen):
+            text = log.get(timeout=30.0)
+            assert text, f"kvindex serve exited: {''.join(seen)}"
+            seen.append(text)
+        (warning,) = [text for text in seen if "WARNING" in text]
+        assert "host 'pod-a.no-such-host.invalid' does not resolve" in warning
+        assert "pod 'pod-a' dp rank 0 (events), pod 'pod-a' dp rank 0 (replay)" in warning
+        assert get(url + "/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    rest: list[str] = []
+    while (text := log.get(timeout=10)) != "":
+        rest.append(text)
+    assert not [text for text in seen + rest if "127.0.0.1" in text and "WARNING" in text]
+    assert not [text for text in rest if "Traceback" in text]
 
 
 def test_serve_with_a_thousand_pods_stops_within_the_deadline() -> None:

@@ -113,3 +113,67 @@ def test_sim_endpoints_follow_bind_and_connect_modes() -> None:
     assert [c.pub_endpoint for c in dialling] == ["tcp://10.0.0.5:5557"] * 2
     assert [c.topic for c in dialling] == ["kv@sim-0@m", "kv@sim-1@m"]
     assert engine_configs(_sim_args("--replay", "none", "--hash-seed", "0"))[0].replay_endpoint is None
+
+
+def test_replay_follows_the_pub_host_by_default() -> None:
+    def replays(*argv: str) -> list[str | None]:
+        return [
+            c.replay_endpoint for c in engine_configs(_sim_args("--engines", "2", "--hash-seed", "0", *argv))
+        ]
+
+    # Engines dialling a kvindex on loopback keep their replay sockets on loopback (before: tcp://*:5600).
+    assert replays("--pub", "tcp://127.0.0.1:5557") == ["tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601"]
+    # Engines binding an address bind replay there; an ephemeral --pub port makes replay's ephemeral.
+    assert replays("--pub", "tcp://127.0.0.1:0") == ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]
+    assert replays("--pub", "tcp://*:5557") == ["tcp://*:5600", "tcp://*:5601"]
+    # Dialling another machine's kvindex: it must reach the replay sockets, so every interface.
+    assert replays("--pub", "tcp://10.0.0.5:5557") == ["tcp://*:5600", "tcp://*:5601"]
+    # Given explicitly, --replay wins.
+    assert replays("--pub", "tcp://127.0.0.1:5557", "--replay", "tcp://*:7000") == [
+        "tcp://*:7000",
+        "tcp://*:7001",
+    ]
+
+
+def test_bind_mode_hint_points_serve_at_listen_not_at_its_own_listener() -> None:
+    # The engines dial 127.0.0.1:5557 (kvindex's bind mode). Nothing listens there: ZMQ connects lazily.
+    done = subprocess.run(
+        _kvindex(
+            "sim", "--engines", "2", "--pub", "tcp://127.0.0.1:5557", "--replay", "tcp://127.0.0.1:0",
+            "--http-port-base", "0", "--requests", "1", "--hash-seed", "0",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    engine_lines = [line for line in done.stdout.splitlines() if " http=" in line]
+    assert len(engine_lines) == 2
+    assert all("(engine dials: kvindex bind mode)" in line for line in engine_lines), engine_lines
+    assert "--pod" not in done.stdout  # a --pod at kvindex's own listener dials nothing
+    (hint,) = [line for line in done.stdout.splitlines() if line.startswith("index them with:")]
+    assert hint.startswith("index them with: kvindex serve --listen tcp://127.0.0.1:5557 --model sim-model")
+    assert "no --listen-replay" in done.stdout
+
+
+def test_connect_mode_lines_use_serves_words() -> None:
+    done = subprocess.run(
+        _kvindex("sim", "--engines", "1", "--requests", "1", "--hash-seed", "0", *EPHEMERAL),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if " http=" in line]
+    assert "(engine binds: kvindex connect mode)" in line and "serve: --pod sim-0=tcp://127.0.0.1:" in line
+
+
+def test_sim_refuses_a_pub_that_is_not_a_zmq_address() -> None:
+    done = subprocess.run(
+        _kvindex("sim", "--pub", "127.0.0.1:5557"), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "kvindex sim: --pub '127.0.0.1:5557' is not a ZMQ address; expected tcp://HOST:PORT "
+        "(or ipc://PATH, inproc://NAME), e.g. tcp://*:5557"
+    )

@@ -137,6 +137,11 @@ def test_flags_override_and_extend_the_file(tmp_path: Path) -> None:
     by_id = {(p.pod_id, p.dp_rank): p for p in config.pods}
     assert by_id[("pod-a", 0)].endpoint == "tcp://10.9.9.9:5557"  # the flag replaced the file's entry
     assert by_id[("pod-a", 0)].replay_endpoint is None
+    assert config.pod_sources == {
+        ("pod-a", 0): "--pod, replacing the config file's entry",
+        ("pod-b", 1): "config file",
+        ("pod-c", 3): "--pod",
+    }
     pod_c = by_id[("pod-c", 3)]
     assert (pod_c.endpoint, pod_c.replay_endpoint, pod_c.model) == (
         "tcp://10.0.0.3:5557",
@@ -279,7 +284,73 @@ def test_bad_pod_syntax(text: str) -> None:
         parse_pod_flag(text)
 
 
+def test_one_pod_id_may_have_several_dp_ranks(tmp_path: Path) -> None:
+    pods = ["--pod", "p=tcp://h:5557", "--pod", "p=tcp://h:5558,dp_rank=1"]
+    assert [(p.pod_id, p.dp_rank) for p in build(["--model", "m", *pods]).pods] == [("p", 0), ("p", 1)]
+
+
+TWO_P1_ENTRIES = """
+[[models]]
+name = "a"
+[[models]]
+name = "b"
+[[pods]]
+id = "p1"
+endpoint = "tcp://10.0.0.1:5557"
+model = "a"
+[[pods]]
+id = "p1"
+endpoint = "tcp://10.0.0.2:5557"
+model = "b"
+"""
+
+
 BAD_CONFIGS = [
+    # One (pod, dp rank) twice: the index and the stream table key pods by it, so one entry would win.
+    (
+        None,
+        ["--model", "m", "--pod", "sim-0=tcp://h:1", "--pod", "sim-0=tcp://h:2"],
+        "pod 'sim-0' dp rank 0 is given twice (--pod and --pod); pod ids must be unique per dp rank",
+    ),
+    (
+        None,
+        ["--model", "m", "--pod", "p=tcp://h:1,dp_rank=2", "--pod", "p=tcp://h:9,dp_rank=2"],
+        "pod 'p' dp rank 2 is given twice (--pod and --pod)",
+    ),
+    (TWO_P1_ENTRIES, [], "pod 'p1' dp rank 0 is given twice in the config file"),
+    # Endpoints: named with the pod, what was given and what is expected, before any socket exists.
+    (
+        None,
+        ["--model", "m", "--pod", "pod-a=127.0.0.1:45715"],
+        "pod 'pod-a' (--pod): endpoint '127.0.0.1:45715' is not a ZMQ address; expected tcp://HOST:PORT",
+    ),
+    (
+        None,
+        ["--model", "m", "--pod", "pod-a=tcp://h:5557,replay=h:5558"],
+        "pod 'pod-a' (--pod): replay endpoint 'h:5558' is not a ZMQ address",
+    ),
+    (None, ["--model", "m", "--pod", "pod-a=tcp://*:5557"], "cannot be dialled"),
+    (None, ["--model", "m", "--pod", "pod-a=tcp://h:0"], "port 0"),
+    (None, ["--model", "m", "--pod", "pod-a=tcp://h:555700"], "malformed port '555700'"),
+    (None, ["--model", "m", "--pod", "pod-a=tcp://h"], "has no port"),
+    (None, ["--model", "m", "--pod", "pod-a=http://h:1"], "is not a ZMQ address"),
+    (
+        "[[models]]\nname = 'x'\n[[pods]]\nid = 'p'\nendpoint = 'p:5557'",
+        [],
+        "pod 'p' (config file): endpoint 'p:5557' is not a ZMQ address",
+    ),
+    (None, ["--model", "m", "--listen", "127.0.0.1:5557"], "--listen '127.0.0.1:5557' is not a ZMQ address"),
+    ("listen = 'tcp://*'\n[[models]]\nname = 'x'", [], "listen 'tcp://*' has no port"),
+    (
+        None,
+        ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "{pod}:5558"],
+        "--listen-replay '{pod}:5558' is not a ZMQ address",
+    ),
+    # Bounds of the TOML keys, checked on load with the key's path.
+    ("[[models]]\nname = 'x'\n[ingest]\nnum_workers = 0", ["--pod", "p=tcp://h:1"], "ingest.num_workers"),
+    ("[[models]]\nname = 'x'\n[ingest]\nrcvhwm = -1", ["--pod", "p=tcp://h:1"], "ingest.rcvhwm"),
+    ("[[models]]\nname = 'x'\n[tiers]\nunknown_weight = -1", ["--pod", "p=tcp://h:1"], "unknown_weight"),
+    ("[[models]]\nname = 'x'\nblock_size = 0", ["--pod", "p=tcp://h:1"], "models[0].block_size"),
     # (TOML text or None, extra argv, a word the one-sentence error must contain)
     ("[[models]\nname = 'x'", [], "not valid TOML"),
     ("[[models]]\nname = 'x'\ncolour = 'red'", ["--pod", "p=tcp://h:1"], "colour"),

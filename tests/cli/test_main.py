@@ -7,11 +7,14 @@ pytest's rootdir-style collection needs unique basenames.)
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
 import pytest
 from kvindex.cli import main as cli
+
+import kvindex
 
 # Paid only by the subcommand that needs them, never by building the parser. (kvindex.hashing is allowed:
 # the subcommands take HASH_ALGOS from it, and its import is light; its CBOR table is checked below.)
@@ -84,3 +87,44 @@ def test_unknown_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         cli.main(["frobnicate"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
+def test_a_bad_flag_prints_the_subcommands_own_usage(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse's subparsers quirk: leftovers went up to the top-level parser, which printed
+    # `usage: kvindex [-h] COMMAND ...` and none of the command's flags.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvindex {name}"), err
+    assert f"kvindex {name}" in err.splitlines()[-1]
+
+
+def test_serve_with_a_bad_flag_names_it_under_serves_usage() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex", "serve", "--model", "m", "--bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: kvindex serve [-h] [--http HOST:PORT]"), result.stderr
+    assert "--pod ID=ENDPOINT" in result.stderr  # serve's flags, not the top-level COMMAND list
+    assert result.stderr.splitlines()[-1] == "kvindex serve: error: unrecognized arguments: --bogus"
+
+
+def test_a_nested_subcommand_reports_with_its_own_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compat", "vectors", "file.json", "--bogus"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: kvindex compat vectors")
+
+
+def test_version_is_the_installed_distributions() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvindex", "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout == f"kvindex {kvindex.__version__}\n"
+    # pyproject takes its version from kvindex.__version__: the two cannot disagree (a stale install can).
+    assert importlib.metadata.version("kvindex") == kvindex.__version__
