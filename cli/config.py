@@ -290,6 +290,14 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
     reconnect_ivl_max_ms: Annotated[
         int, _key("ZMQ's longest reconnection delay (the delay doubles up to it).", ge=1)
     ] = _INGEST.reconnect_ivl_max_ms
+    max_message_bytes: Annotated[
+        int,
+        _key(
+            "Largest message a SUB socket accepts, in bytes; ZMQ drops a sender's connection over it "
+            "before reading it (vLLM's batches are a few KB to a few MB).",
+            ge=1,
+        ),
+    ] = _INGEST.max_message_bytes
 
 
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
