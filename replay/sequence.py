@@ -222,6 +222,8 @@ class SequenceTracker(Generic[T]):
         self.joined = True
         self._recheck = self._recheck and proven
         items = [r for r in replayed if r.seq >= request.start_seq]
+        if proven:
+            self._drop_foreign_held(items, request.start_seq)
         last = self.last_applied
         actions: list[Action[T]] = []
         if proven and request.start_seq == 0 and last is not None:
@@ -289,6 +291,31 @@ class SequenceTracker(Generic[T]):
             self._mark_applied(seq, digest)
             actions.append(Apply(seq, item))
         return actions
+
+    def _drop_foreign_held(self, ring: Sequence[ReplayedItem[T]], start_seq: int) -> None:
+        """Let go of held live batches the answering engine cannot have sent. Its own batches are in its
+        ring with the ring's digest, or continue the ring's newest seq without a hole; anything else is
+        a previous engine's, still queued behind the new connection (ZMQ reports a reconnection before
+        the old connection's last messages are read) and must not be stitched onto the new stream."""
+        if ring:
+            newest = ring[-1].seq
+        elif start_seq == 0:
+            newest = -1  # an empty ring: the engine has published nothing yet
+        else:
+            return  # nothing at or after start_seq: the caller decides (a restart, asked again from 0)
+        digests = {r.seq: r.digest for r in ring}
+        expected = newest + 1
+        for seq in sorted(self._held):
+            if seq <= newest:
+                known = digests.get(seq)
+                if known is None or known == self._held[seq][1]:
+                    continue
+            elif seq == expected:
+                expected += 1
+                continue
+            del self._held[seq]
+            self._held_bytes -= self._held_sizes.pop(seq, 0)
+            self.num_held_dropped += 1
 
     def _hold(self, seq: int, item: T, digest: int, size: int) -> None:
         self._held_bytes += size - self._held_sizes.get(seq, 0)
