@@ -460,6 +460,7 @@ async def fire(
     reasons: Counter[str] = Counter()
     per_second: list[int] = [0] * (int(duration_s) + 2)
     errors_per_second: list[int] = [0] * (int(duration_s) + 2)
+    max_s_per_second: list[float] = [0.0] * (int(duration_s) + 2)
     empty_answers = 0
     headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -492,6 +493,7 @@ async def fire(
             second = min(int(started - began), len(per_second) - 1)
             per_second[second] += 1
             results[kind].latencies_s.append(done - started)
+            max_s_per_second[second] = max(max_s_per_second[second], done - started)
             if reason is not None:
                 results[kind].errors += 1
                 reasons[reason] += 1
@@ -513,6 +515,7 @@ async def fire(
         "empty_answers": empty_answers,
         "per_second": per_second[: int(duration_s)],
         "errors_per_second": errors_per_second[: int(duration_s)],
+        "max_ms_per_second": [round(value * 1e3, 2) for value in max_s_per_second[: int(duration_s)]],
         "cpu_s": time.process_time() - cpu_began,
     }
 
@@ -636,45 +639,49 @@ class Sample:
     metrics: dict[str, float]
 
 
-def rss_slope_mib_per_min(samples: Sequence[Sample]) -> float | None:
-    """Least-squares slope of RSS over time."""
+def rss_fit(samples: Sequence[Sample]) -> tuple[float, float] | None:
+    """Least-squares line through RSS over time: (slope MiB/min, standard deviation of the residuals MiB)."""
     if len(samples) < 3:
         return None
-    ts = [s.t_s for s in samples]
+    ts = [s.t_s / 60.0 for s in samples]
     ys = [s.rss_bytes / 2**20 for s in samples]
     t_mean, y_mean = sum(ts) / len(ts), sum(ys) / len(ys)
     var = sum((t - t_mean) ** 2 for t in ts)
     if var == 0:
         return None
-    return sum((t - t_mean) * (y - y_mean) for t, y in zip(ts, ys, strict=True)) / var * 60.0
+    slope = sum((t - t_mean) * (y - y_mean) for t, y in zip(ts, ys, strict=True)) / var
+    residuals = [y - (y_mean + slope * (t - t_mean)) for t, y in zip(ts, ys, strict=True)]
+    return slope, (sum(r * r for r in residuals) / (len(residuals) - 2)) ** 0.5
 
 
-def flat_tolerance_mib(rss_mib: float) -> float:
-    """How far RSS may drift over the measured window and still count as flat: allocator and GC noise
-    (the heap is trimmed when ingest idles) is a few MiB here."""
-    return max(2.0, 0.01 * rss_mib)
+# NOTE: RSS is a sawtooth here, not a line: the heap grows by a few MiB and glibc's malloc_trim (run when
+# ingest drains) hands pages back. A trend counts only when it exceeds that noise.
+MIN_TOLERANCE_MIB = 2.0
 
 
 def memory_figures(samples: Sequence[Sample], since_s: float) -> dict[str, Any]:
-    """RSS from the first sample at or after `since_s` to the end: start, end, max, slope, flat or not."""
+    """RSS from the first sample at or after `since_s` to the end: start, end, min, max, slope, and flat
+    or not: the fitted drift over the window (slope x length) within twice the residuals' standard
+    deviation (at least MIN_TOLERANCE_MIB)."""
     window = [s for s in samples if s.t_s >= since_s]
-    if len(window) < 3:
+    fit = rss_fit(window)
+    if fit is None:
         return {"samples": len(window)}
-    start_mib, end_mib = window[0].rss_bytes / 2**20, window[-1].rss_bytes / 2**20
-    slope = rss_slope_mib_per_min(window)
-    minutes = (window[-1].t_s - window[0].t_s) / 60.0
-    drift = None if slope is None else slope * minutes
-    tolerance = flat_tolerance_mib(start_mib)
+    slope, noise = fit
+    drift = slope * (window[-1].t_s - window[0].t_s) / 60.0
+    tolerance = max(MIN_TOLERANCE_MIB, 2.0 * noise)
     return {
         "samples": len(window),
         "since_s": window[0].t_s,
-        "rss_start_mib": start_mib,
-        "rss_end_mib": end_mib,
+        "rss_start_mib": window[0].rss_bytes / 2**20,
+        "rss_end_mib": window[-1].rss_bytes / 2**20,
+        "rss_min_mib": min(s.rss_bytes for s in window) / 2**20,
         "rss_max_mib": max(s.rss_bytes for s in window) / 2**20,
         "slope_mib_per_min": slope,
         "drift_mib": drift,
+        "noise_mib": noise,
         "tolerance_mib": tolerance,
-        "flat": drift is not None and abs(drift) <= tolerance,
+        "flat": abs(drift) <= tolerance,
     }
 
 
@@ -884,6 +891,9 @@ def server_table(report: dict[str, Any]) -> str:
     counters = report["counters_delta"]
     flat = "flat" if memory.get("flat") else "NOT flat"
     warmup = report["warmup"]
+    max_ms = load["max_ms_per_second"]
+    worst_second = max(range(len(max_ms)), key=max_ms.__getitem__) if max_ms else "-"
+    stalls = sum(1 for value in max_ms if value > 100.0)
     rows: list[list[object]] = []
     if warmup is not None:
         rows.append(
@@ -897,13 +907,14 @@ def server_table(report: dict[str, Any]) -> str:
     rows += [
         ["score requests/s (closed loop)", fmt(load["requests_per_s"], 0), f"{report['spec']['concurrency']} in flight"],
         ["slowest / fastest whole second", f"{min(per_second, default=0):,} / {max(per_second, default=0):,}", "req/s"],
+        ["slowest request", f"{fmt(load['all']['max_ms'])} ms", f"sent at t={worst_second}s; {stalls} seconds held a request over 100 ms"],
         ["errors", f"{load['all']['errors']:,}", ", ".join(f"{k} {v}" for k, v in load["error_reasons"].items()) or "none"],
         ["answers naming no pod", f"{load['empty_answers']:,}", "of 200s (index churns; not an error)"],
         ["ingest, events applied/s", fmt(report["ingest_events_per_s"], 0), f"{report['fleet']['steps_per_s']:,.0f} batches/s published"],
         ["index keys / entries at end", f"{report['samples'][-1]['metrics']['keys']:,.0f} / {report['samples'][-1]['metrics']['entries']:,.0f}", f"max {report['keys_max']:,.0f} / {report['entries_max']:,.0f}"],
         ["RSS after warm-up MiB" if warmup else "RSS after settling MiB", fmt(memory.get("rss_start_mib"), 1), f"at t={fmt(memory.get('since_s'), 0)}s of the window (RSS at t=0: {report['samples'][0]['rss_bytes'] / 2**20:.1f})" if not warmup else "at the window's start"],
-        ["RSS at end MiB", fmt(memory.get("rss_end_mib"), 1), f"max {fmt(memory.get('rss_max_mib'), 1)}"],
-        ["RSS slope MiB/min", fmt(memory.get("slope_mib_per_min"), 2), f"{flat}: drift {fmt(memory.get('drift_mib'), 1)} MiB, tolerance {fmt(memory.get('tolerance_mib'), 1)}"],
+        ["RSS at end MiB", fmt(memory.get("rss_end_mib"), 1), f"min {fmt(memory.get('rss_min_mib'), 1)}, max {fmt(memory.get('rss_max_mib'), 1)}"],
+        ["RSS slope MiB/min", fmt(memory.get("slope_mib_per_min"), 2), f"{flat}: fitted drift {fmt(memory.get('drift_mib'), 1)} MiB over the window, tolerance {fmt(memory.get('tolerance_mib'), 1)} (2 sd of the residuals)"],
         ["cores used: server / engines / client", f"{cores['server']:.2f} / {cores['engines']:.2f} / {cores['client']:.2f}", f"of {report['cores']}"],
         ["gaps / replays / restarts / dropped", f"{counters['gaps']:.0f} / {counters['replays']:.0f} / {counters['restarts']:.0f} / {counters['events_dropped']:.0f}", f"hash mismatches {counters['hash_mismatches']:.0f}"],
         ["pod states at end", ", ".join(f"{k} {v}" for k, v in sorted(report["pod_states"].items())), ""],
@@ -923,7 +934,7 @@ def cap_table(report: dict[str, Any]) -> str:
         ["RSS at start / when capped MiB", f"{fmt(report['rss_first_mib'], 1)} / {fmt(cap['rss_at_cap_mib'], 1)}", ""],
         ["max keys / max entries", f"{report['keys_max']:,.0f} / {report['entries_max']:,.0f}", "within cap" if cap["keys_within_cap"] and cap["entries_within_cap"] else "OVER CAP"],
         ["RSS once capped: start / end / max MiB", f"{fmt(after.get('rss_start_mib'), 1)} / {fmt(after.get('rss_end_mib'), 1)} / {fmt(after.get('rss_max_mib'), 1)}", f"from t={fmt(after.get('since_s'), 0)}s"],
-        ["RSS slope once capped MiB/min", fmt(after.get("slope_mib_per_min"), 2), f"{bounded}: drift {fmt(after.get('drift_mib'), 1)} MiB, tolerance {fmt(after.get('tolerance_mib'), 1)}"],
+        ["RSS slope once capped MiB/min", fmt(after.get("slope_mib_per_min"), 2), f"{bounded}: fitted drift {fmt(after.get('drift_mib'), 1)} MiB, tolerance {fmt(after.get('tolerance_mib'), 1)} (2 sd of the residuals)"],
         ["engine restarts / AllBlocksCleared", f"{fleet['restarts']} / {fleet['clears']}", f"kvindex saw {report['counters_delta']['restarts']:.0f} restarts"],
     ]  # fmt: skip
     return format_table(["soak", "value", "detail"], rows)
