@@ -8,17 +8,18 @@ which orchestrates and samples the server's RSS and /metrics every second.
 
 Every engine serves a steady stream of shared-prefix prompts (10 system prompts of 32 blocks, then 32
 blocks of one of its own working set of prompts, a set larger than its cache), so each step stores new
-blocks and evicts old ones and the index holds a steady size. The caches are filled before the clock
-starts. Reported: requests/s, errors (a non-200, a body without scores, a connection error or timeout),
-p50/p99/max latency, the ingest rate, the server's RSS after warm-up (the first 20% of the run) vs at the
-end with its least-squares slope, and the load average at start and end.
+blocks and evicts old ones and the index holds a steady size. The caches are filled first, then the same
+load runs untimed for `warmup_s` (60 s), then the measured window. Reported: requests/s, errors (a
+non-200, a body without scores, a connection error or timeout), p50/p99/max latency, the ingest rate, the
+server's RSS at the window's start and end with its least-squares slope (flat: the fitted drift within
+twice the RSS noise), cores used per process, and the load average at start and end.
 
 `--soak`: 10 minutes with engine churn (an engine restarts every 2 s on the same endpoints with seq from
 0, small caches evicting on nearly every step, an AllBlocksCleared every 5 s) against small index caps
 (`[ingest] index_max_keys`, `index_max_pods_per_key`): the key count must stay within the cap and RSS stop
-growing once it is reached. Restarts need fixed endpoints and vLLM binds only `*`, `::` or ipc, so the soak
+growing once it is reached (judged from max(cap reached, 20% of the run)). Restarts need fixed endpoints and vLLM binds only `*`, `::` or ipc, so the soak
 fleet publishes on ipc sockets in a private directory (a `*` would listen on every interface).
-`--quick`: a ~10 s smoke run. `--json FILE` writes every figure. Not part of `python -m benchmarks`.
+`--quick`: an ~11 s smoke run. `--json FILE` writes every figure. Not part of `python -m benchmarks`.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class LoadSpec:
     # rate; 16-64 only queued longer (p99 up) for no more requests/s.
     concurrency: int = 8
     num_bodies: int = 4_000  # distinct pre-encoded request bodies the client cycles through
-    # Untimed load (engines and client) before the measured window: under churn the server's RSS climbs
-    # for about a minute (index dicts and reverse-map logs reach their working size) before it levels off.
+    # Untimed load (engines and client) before the measured window: under this churn the server's RSS
+    # climbs for about a minute before it levels off into a sawtooth (see memory_figures).
     warmup_s: float = 60.0
     settle_fraction: float = 0.2  # with no warm-up (soak), RSS is judged after this share of the run
     restart_every_s: float | None = None  # one random engine restarts (seq from 0) this often
