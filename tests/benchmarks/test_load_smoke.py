@@ -24,7 +24,12 @@ def test_load_quick_answers_every_request(tmp_path: Path) -> None:
     row = _row(lines, "all")
     assert int(row[1].replace(",", "")) > 0 and row[2] == "0", row  # requests, errors
     assert _row(lines, "errors")[1] == "0"
-    for measure in ("RSS after warm-up MiB", "RSS at end MiB", "RSS slope MiB/min", "load average start / end"):
+    for measure in (
+        "RSS after warm-up MiB",
+        "RSS at end MiB",
+        "RSS slope MiB/min",
+        "load average start / end",
+    ):
         assert any(line.startswith(measure) for line in lines), measure
     report = json.loads(results.read_text())
     assert report["load"]["all"]["errors"] == 0
