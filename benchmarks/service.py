@@ -68,8 +68,19 @@ def engine_index_of(pod: str) -> int:
     return int(pod.rsplit("-", 1)[1])
 
 
-def config_toml(endpoints: Sequence[str], model: str, hash_seed: str, block_size: int) -> str:
-    """A serve config: one model, one connect-mode pod per engine endpoint (no replay sockets)."""
+def config_toml(
+    endpoints: Sequence[str],
+    model: str,
+    hash_seed: str,
+    block_size: int,
+    *,
+    replay_endpoints: Sequence[str | None] | None = None,
+    ingest: Mapping[str, int | float] | None = None,
+) -> str:
+    """A serve config: one model, one connect-mode pod per engine endpoint (replay sockets only where
+    `replay_endpoints` names one), and `ingest` as the file's [ingest] section (e.g. index caps)."""
+    if replay_endpoints is not None and len(replay_endpoints) != len(endpoints):
+        raise ValueError("replay_endpoints needs one entry (or None) per endpoint")
     lines = [
         "[[models]]",
         f'name = "{model}"',
@@ -79,11 +90,17 @@ def config_toml(endpoints: Sequence[str], model: str, hash_seed: str, block_size
     ]
     for index, endpoint in enumerate(endpoints):
         lines += ["", "[[pods]]", f'id = "{pod_id(index)}"', f'endpoint = "{endpoint}"', f'model = "{model}"']
+        replay = replay_endpoints[index] if replay_endpoints is not None else None
+        if replay is not None:
+            lines.append(f'replay = "{replay}"')
+    if ingest:
+        lines += ["", "[ingest]", *(f"{key} = {value!r}" for key, value in ingest.items())]
     return "\n".join(lines) + "\n"
 
 
 class KvindexService(ManagedProcess):
-    """One `kvindex serve` subprocess subscribed to `endpoints` (engine i is pod `engine-i`).
+    """One `kvindex serve` subprocess subscribed to `endpoints` (engine i is pod `engine-i`, with the replay
+    socket `replay_endpoints[i]` if given; `ingest` becomes the config's [ingest] section).
 
     A context manager: start() returns once HTTP answers and every pod is listed; stop() sends SIGTERM,
     then kills if it lingers, and removes the config file (always, also on errors).
@@ -98,8 +115,12 @@ class KvindexService(ManagedProcess):
         block_size: int = 16,
         python: str | None = None,
         startup_timeout_s: float = 60.0,
+        replay_endpoints: Sequence[str | None] | None = None,
+        ingest: Mapping[str, int | float] | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
+        self.replay_endpoints = None if replay_endpoints is None else list(replay_endpoints)
+        self.ingest = dict(ingest or {})
         self.model = model
         self.hash_seed = hash_seed
         self.block_size = block_size
@@ -119,7 +140,16 @@ class KvindexService(ManagedProcess):
     def start(self) -> None:
         self._config_dir = tempfile.TemporaryDirectory(prefix="kvindex-bench-")
         config_path = Path(self._config_dir.name) / "serve.toml"
-        config_path.write_text(config_toml(self.endpoints, self.model, self.hash_seed, self.block_size))
+        config_path.write_text(
+            config_toml(
+                self.endpoints,
+                self.model,
+                self.hash_seed,
+                self.block_size,
+                replay_endpoints=self.replay_endpoints,
+                ingest=self.ingest,
+            )
+        )
         self._log = tempfile.TemporaryFile()
         command = [
             self.python,

@@ -10,10 +10,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick(module: str, timeout_s: float) -> list[str]:
-    """The benchmark's stdout lines; fails the test with its stderr if it did not exit 0."""
+def run_quick(module: str, timeout_s: float, *args: str) -> list[str]:
+    """The benchmark's stdout lines (run with `--quick` and `args`); fails the test with its stderr if it
+    did not exit 0."""
     result = subprocess.run(
-        [sys.executable, "-m", module, "--quick"],
+        [sys.executable, "-m", module, "--quick", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
