@@ -12,13 +12,13 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._process import run_main
 from benchmarks._table import format_table
 from benchmarks.compare import SubjectResult, build, run_pair
 from benchmarks.dynamo import available
@@ -364,15 +364,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # SystemExit unwinds through every context manager, so services and the publisher are stopped.
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; every service and publisher process was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main, "every service and publisher process was stopped")

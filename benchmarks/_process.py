@@ -7,7 +7,9 @@ subjects are handled — and their memory read — the same way.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,3 +80,18 @@ class ManagedProcess:
         """Resident memory of the service process."""
         assert self._process is not None, "not started"
         return process_rss_bytes(self._process.pid)
+
+
+def run_main(main: Callable[[], int], stopped: str) -> None:
+    """Run a benchmark's `main` as the process: SIGTERM unwinds like Ctrl-C (SystemExit runs every context
+    manager, so whatever `main` started is stopped), and an interrupt says what was stopped."""
+
+    def exit_on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(f"interrupted; {stopped}", file=sys.stderr)
+        sys.exit(130)

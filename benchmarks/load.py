@@ -33,7 +33,6 @@ import multiprocessing.connection
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks._process import await_condition
+from benchmarks._process import await_condition, run_main
 from benchmarks._table import format_table
 from benchmarks.service import KvindexService, pod_id
 
@@ -1033,15 +1032,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # SystemExit unwinds through every context manager: the server, engines and client are stopped.
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; the server, engines and load generator were stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main, "the server, engines and load generator were stopped")

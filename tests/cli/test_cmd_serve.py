@@ -100,6 +100,24 @@ def stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     return lines
 
 
+def sigterm_and_drain(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> list[str]:
+    """SIGTERM `proc`, expect exit 0, and return the stderr lines its pump had not handed out yet (kills it
+    if it did not stop; closes stdout)."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    rest: list[str] = []
+    while (text := lines.get(timeout=10)) != "":
+        rest.append(text)
+    return rest
+
+
 def status_of(url: str, *, authorization: str | None = None, body: bytes | None = None) -> int:
     headers = {} if authorization is None else {"Authorization": authorization}
     try:
@@ -134,17 +152,8 @@ def test_serve_api_key_flag_beats_the_variable_and_neither_is_logged(engine: Eve
         assert status_of(url + "/v1/score", authorization=f"Bearer {env_key}", body=score_body) == 401
         assert status_of(url + "/v1/pods", authorization=f"Bearer {flag_key}") == 200
         assert status_of(url + "/v1/score", authorization=f"Bearer {flag_key}", body=score_body) == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-    stderr: list[str] = []
-    while (text := lines.get(timeout=10)) != "":
-        stderr.append(text)
+        stderr = sigterm_and_drain(proc, lines)
     log = "".join(stderr)
     assert "HTTP API: /v1/* requires the API key (from --api-key)" in log
     assert '"POST /v1/score HTTP/1.1" 401' in log  # the access log saw the refused requests ...
@@ -235,17 +244,8 @@ def test_serve_warns_about_a_pod_host_that_does_not_resolve_and_keeps_serving() 
         assert "host 'pod-a.no-such-host.invalid' does not resolve" in warning
         assert "pod 'pod-a' dp rank 0 (events), pod 'pod-a' dp rank 0 (replay)" in warning
         assert get(url + "/healthz")[0] == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-    rest: list[str] = []
-    while (text := log.get(timeout=10)) != "":
-        rest.append(text)
+        rest = sigterm_and_drain(proc, log)
     assert not [text for text in seen + rest if "127.0.0.1" in text and "WARNING" in text]
     assert not [text for text in rest if "Traceback" in text]
 
@@ -265,16 +265,7 @@ def test_serve_with_a_thousand_pods_stops_within_the_deadline() -> None:
         url = line[len(LISTENING) :].strip()
         status, body = get(url + "/v1/pods")
         assert status == 200 and len(body["pods"]) == 1000  # type: ignore[arg-type]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-    stderr: list[str] = []
-    while (text := lines.get(timeout=10)) != "":
-        stderr.append(text)
+        stderr = sigterm_and_drain(proc, lines)
     assert not [text for text in stderr if "Traceback" in text or "did not stop within" in text]
     assert any("stopped" in text for text in stderr[-3:])
