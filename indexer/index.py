@@ -14,16 +14,16 @@ from collections.abc import Collection, Iterable, Sequence
 import msgspec
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
 from kvindex.indexer.shard import (
+    CHECK_PARENT,
+    CLEAR,
     MAX_COPIES,
     NUM_COUNTS,
-    OP_CHECK_PARENT,
-    OP_CLEAR,
-    OP_REMOVE,
-    OP_STORE,
+    REMOVE,
+    STORE,
     HolderIds,
     KeyGroup,
-    Run,
     Shard,
+    Step,
 )
 
 __all__ = ["MAX_COPIES", "ApplyStats", "Entry", "HolderIds", "Holders", "KVIndex"]
@@ -149,19 +149,19 @@ class KVIndex:
             shard = self._shards[0]
             pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
             with shard.lock:
-                shard.apply_runs(steps, pod_entry_ids, counts)
+                shard.apply_steps(steps, pod_entry_ids, counts)
             return ApplyStats(*counts)
         return self._apply_sharded(pod, events)
 
-    def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[Run]:
+    def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[Step]:
         """The batch as one shard's steps, in event order; raises before anything changes.
 
         Consecutive BlocksStored of one tier whose parent is the previous event's last block (a chain
         continued, the usual shape) merge into one store step: that parent is held at that point.
         """
-        steps: list[Run] = []
+        steps: list[Step] = []
         tier_entry_ids: dict[str, int] = {}
-        last_store: list[KeyGroup] | None = None  # the previous step, if it is a store
+        last_store: list[KeyGroup] | None = None  # the previous step's key groups, if it is a store
         last_entry_id = last_key = -1
         for event in events:
             if isinstance(event, BlocksStored):
@@ -179,11 +179,11 @@ class KVIndex:
                             last_key = keys[-1]
                         continue
                     _checked_keys((parent_key,))
-                    steps.append((OP_CHECK_PARENT, 0, parent_key))
+                    steps.append((CHECK_PARENT, parent_key))
                 if keys:
                     last_store = [(keys, key_array)]
                     last_entry_id, last_key = entry_id, keys[-1]
-                    steps.append((OP_STORE, entry_id, last_store))
+                    steps.append((STORE, entry_id, last_store))
                 else:
                     last_store = None
                 continue
@@ -193,9 +193,9 @@ class KVIndex:
                 keys = event.block_keys
                 _checked_keys(keys)
                 if keys:
-                    steps.append((OP_REMOVE, entry_id, keys))
+                    steps.append((REMOVE, entry_id, keys))
             elif isinstance(event, AllBlocksCleared):
-                steps.append((OP_CLEAR, 0, 0))
+                steps.append((CLEAR,))
             else:
                 raise TypeError(f"not a KV event: {type(event).__name__}")
         return steps
@@ -203,20 +203,20 @@ class KVIndex:
     def _apply_sharded(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
         num_shards = self.num_shards
         # Shard -> its part of the batch, in event order; only shards the batch touches appear.
-        shard_runs: dict[int, list[Run]] = {}
-        for op, entry_id, arg in self._validate(pod, events):
-            if op == OP_CLEAR:
+        shard_steps: dict[int, list[Step]] = {}
+        for step in self._validate(pod, events):
+            if step[0] == CLEAR:
                 for shard_no in range(num_shards):
-                    shard_runs.setdefault(shard_no, []).append((op, entry_id, arg))
-            elif op == OP_CHECK_PARENT:
-                shard_runs.setdefault(arg % num_shards, []).append((op, entry_id, arg))  # type: ignore[operator]
+                    shard_steps.setdefault(shard_no, []).append(step)
+            elif step[0] == CHECK_PARENT:
+                shard_steps.setdefault(step[1] % num_shards, []).append(step)
             else:
                 # One key list per shard this step touches (no per-block tuples).
                 all_keys: list[Sequence[int]]
-                if op == OP_STORE:
-                    all_keys = [keys for keys, _ in arg]  # type: ignore[union-attr,misc]
+                if step[0] == STORE:
+                    all_keys = [keys for keys, _ in step[2]]
                 else:
-                    all_keys = [arg]  # type: ignore[list-item]
+                    all_keys = [step[2]]
                 buckets: dict[int, list[int]] = {}
                 for keys in all_keys:
                     for key in keys:
@@ -225,19 +225,22 @@ class KVIndex:
                             buckets[key % num_shards] = [key]
                         else:
                             bucket.append(key)
+                entry_id = step[1]
                 for shard_no, bucket in buckets.items():
-                    part: list[KeyGroup] | list[int] = bucket
-                    if op == OP_STORE:
+                    part: Step
+                    if step[0] == STORE:
                         group: KeyGroup = (bucket, array("Q", bucket))
-                        part = [group]
-                    shard_runs.setdefault(shard_no, []).append((op, entry_id, part))
+                        part = (STORE, entry_id, [group])
+                    else:
+                        part = (REMOVE, entry_id, bucket)
+                    shard_steps.setdefault(shard_no, []).append(part)
         counts = [0] * NUM_COUNTS
         pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
         shards = self._shards
-        for shard_no, runs in shard_runs.items():
+        for shard_no, steps in shard_steps.items():
             shard = shards[shard_no]
             with shard.lock:
-                shard.apply_runs(runs, pod_entry_ids, counts)
+                shard.apply_steps(steps, pod_entry_ids, counts)
         return ApplyStats(*counts)
 
     def clear_pod(self, pod: PodRef) -> int:

@@ -11,6 +11,7 @@ import threading
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import islice
+from typing import Final, Literal
 
 # The lookup answer for one key: the entry ids holding it (resolve with KVIndex.entry).
 HolderIds = tuple[int, ...]
@@ -32,15 +33,28 @@ _Holders = int | dict[int, int]
 # every count one of CPython's shared small ints (no allocation per count).
 MAX_COPIES = 256
 
-OP_STORE = 0
-OP_REMOVE = 1
-OP_CLEAR = 2
-OP_CHECK_PARENT = 3
 # A store's keys, and the same as an array (checked unsigned 64-bit, appended to the reverse-map log).
 KeyGroup = tuple[Sequence[int], "array[int]"]
-# One step of a batch, routed to one shard: (op, entry id, arg) where arg is a list of key groups for a
-# store, the keys for a removal, the parent key for a parent check, 0 for a clear.
-Run = tuple[int, int, "list[KeyGroup] | Sequence[int] | int"]
+
+
+# One step of a batch, routed to shards: a plain tuple whose first item says which kind it is. mypy
+# narrows the union on `step[0] == STORE` (and so on), so each kind keeps its own item types.
+# NOTE: tuples, not small classes or NamedTuples: the facade builds one step per event (removals are not
+# merged) and per shard a step touches, and a Python-level constructor per step is measurable on
+# removal-heavy batches; a tuple display is built in C.
+STORE: Final = 0
+REMOVE: Final = 1
+CHECK_PARENT: Final = 2
+CLEAR: Final = 3
+# (STORE, entry id, key groups): store each group's keys in order (consecutive events of one entry).
+Store = tuple[Literal[0], int, list[KeyGroup]]
+# (REMOVE, entry id, keys): drop one copy of each key.
+Remove = tuple[Literal[1], int, Sequence[int]]
+# (CHECK_PARENT, parent key): count an unknown parent if the batch's pod holds it on no tier by now.
+CheckParent = tuple[Literal[2], int]
+# (CLEAR,): drop every pair of the batch's pod (AllBlocksCleared).
+Clear = tuple[Literal[3]]
+Step = Store | Remove | CheckParent | Clear
 
 
 # Indices into the mutable counter list a batch accumulates into (same order as ApplyStats' fields in
@@ -99,14 +113,14 @@ class Shard:
 
     # All methods below run with self.lock held.
 
-    def apply_runs(self, runs: Iterable[Run], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
-        for op, entry_id, arg in runs:
-            if op == OP_STORE:
-                self.store(entry_id, arg, counts)  # type: ignore[arg-type]
-            elif op == OP_REMOVE:
-                self.remove(entry_id, arg, counts)  # type: ignore[arg-type]
-            elif op == OP_CHECK_PARENT:
-                if not self.held_by_any(arg, pod_entry_ids):  # type: ignore[arg-type]
+    def apply_steps(self, steps: Iterable[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
+        for step in steps:
+            if step[0] == STORE:
+                self.store(step[1], step[2], counts)
+            elif step[0] == REMOVE:
+                self.remove(step[1], step[2], counts)
+            elif step[0] == CHECK_PARENT:
+                if not self.held_by_any(step[1], pod_entry_ids):
                     counts[_UNKNOWN_PARENT] += 1
             else:
                 counts[_CLEARED] += self.clear_entries(pod_entry_ids)
