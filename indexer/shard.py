@@ -20,7 +20,10 @@ HolderIds = tuple[int, ...]
 # blocks live on one pod, once), else a dict entry_id -> copies, insertion-ordered as the per-key LRU. A
 # dict holder has >= 2 entries or one entry with >= 2 copies (it is folded back to an int otherwise).
 # Small dicts of ints are not tracked by the garbage collector, so the index adds no GC work.
-_Holders = int | dict[int, int]
+# NOTE: code tells them apart with `type(held) is int` and `type(held) is dict`, each narrowed by mypy (an
+# `else` after one of them stays a union); a missing key (None) fails both. isinstance narrows both ways
+# but costs more per key on these loops; the read loop (KVIndex.lookup_ids) skips the second check.
+KeyHolders = int | dict[int, int]
 
 # Copies of one (key, entry) counted at most. vLLM keeps identical blocks apart (BlockHashToBlockMap does
 # not de-duplicate): a fully cached block-aligned prompt recomputes its last block into a second physical
@@ -93,7 +96,7 @@ class Shard:
         # Block key -> holders; a plain dict is insertion-ordered, so it is the key LRU (least recently
         # *stored* first; a store re-inserts, reads never move anything). An OrderedDict would cost ~75 B
         # more per key.
-        self.holders: dict[int, _Holders] = {}
+        self.holders: dict[int, KeyHolders] = {}
         # NOTE: lookups answer a dict holder with an immutable tuple of its ids, made on first read and
         # dropped by any write to that key; tuples are interned, so the blocks of a shared prefix share one
         # (no copy per read, and the scorer sees runs by identity). ~1 pointer per multi-holder pair.
@@ -167,20 +170,8 @@ class Shard:
             if held is None:
                 holders_map[key] = entry_id
                 stored += 1
-            elif held.__class__ is int:
-                if held == entry_id:
-                    holders_map[key] = {entry_id: 2}
-                    refreshed += 1
-                elif max_pods_per_key == 1:
-                    live[held] -= 1
-                    holders_map[key] = entry_id
-                    stored += 1
-                    evicted += 1
-                else:
-                    holders_map[key] = {held: 1, entry_id: 1}
-                    stored += 1
-            else:
-                holder_lru: dict[int, int] = held  # type: ignore[assignment]
+            elif type(held) is dict:  # first: a held key here is mostly a shared prefix block, on many pods
+                holder_lru = held
                 if frozen:
                     frozen.pop(key, None)
                 copies = holder_lru.pop(entry_id, 0)  # re-inserted: newest in this key's LRU
@@ -199,6 +190,18 @@ class Shard:
                             holders_map[key] = entry_id
                             continue
                 holders_map[key] = holder_lru
+            elif type(held) is int:
+                if held == entry_id:
+                    holders_map[key] = {entry_id: 2}
+                    refreshed += 1
+                elif max_pods_per_key == 1:
+                    live[held] -= 1
+                    holders_map[key] = entry_id
+                    stored += 1
+                    evicted += 1
+                else:
+                    holders_map[key] = {held: 1, entry_id: 1}
+                    stored += 1
         counts[_REFRESHED] += refreshed
         counts[_EVICTED_ENTRIES] += evicted
         return stored
@@ -210,14 +213,14 @@ class Shard:
         evicted_entries = 0
         for key in victims:
             held = holders_map.pop(key)
-            if held.__class__ is int:
+            if type(held) is int:
                 live[held] -= 1
                 evicted_entries += 1
-            else:
+            elif type(held) is dict:
                 self.frozen.pop(key, None)
-                for entry_id in held:  # type: ignore[union-attr]
+                for entry_id in held:
                     live[entry_id] -= 1
-                evicted_entries += len(held)  # type: ignore[arg-type]
+                evicted_entries += len(held)
         counts[_EVICTED_KEYS] += len(victims)
         counts[_EVICTED_ENTRIES] += evicted_entries
 
@@ -241,37 +244,35 @@ class Shard:
 
     def holds(self, key: int, entry_id: int) -> bool:
         held = self.holders.get(key)
-        if held is None:
-            return False
-        if held.__class__ is int:
+        if type(held) is int:
             return held == entry_id
-        return entry_id in held  # type: ignore[operator]
+        if type(held) is dict:
+            return entry_id in held
+        return False
 
     def remove(self, entry_id: int, keys: Sequence[int], counts: list[int]) -> None:
         holders_map = self.holders
         removed = released = 0
         for key in keys:
             held = holders_map.get(key)
-            if held is None:
-                continue
-            if held.__class__ is int:
+            if type(held) is int:
                 if held == entry_id:
                     del holders_map[key]
                     removed += 1
-                continue
-            holder_lru: dict[int, int] = held  # type: ignore[assignment]
-            copies = holder_lru.get(entry_id)
-            if copies is None:
-                continue
-            self.frozen.pop(key, None)
-            # Removal is not a store: the key and the entry keep their places in both LRUs.
-            if copies > 1:
-                holder_lru[entry_id] = copies - 1
-                released += 1
-            else:
-                del holder_lru[entry_id]
-                removed += 1
-            _fold(holders_map, key, holder_lru)
+            elif type(held) is dict:
+                holder_lru = held
+                copies = holder_lru.get(entry_id)
+                if copies is None:
+                    continue
+                self.frozen.pop(key, None)
+                # Removal is not a store: the key and the entry keep their places in both LRUs.
+                if copies > 1:
+                    holder_lru[entry_id] = copies - 1
+                    released += 1
+                else:
+                    del holder_lru[entry_id]
+                    removed += 1
+                _fold(holders_map, key, holder_lru)
         counts[_REMOVED] += removed
         counts[_RELEASED] += released
         counts[_MISSING] += len(keys) - removed - released
@@ -283,11 +284,11 @@ class Shard:
 
     def held_by_any(self, key: int, entry_ids: frozenset[int]) -> bool:
         held = self.holders.get(key)
-        if held is None:
-            return False
-        if held.__class__ is int:
+        if type(held) is int:
             return held in entry_ids
-        return not entry_ids.isdisjoint(held)  # type: ignore[arg-type]
+        if type(held) is dict:
+            return not entry_ids.isdisjoint(held)
+        return False
 
     def clear_entries(self, entry_ids: Iterable[int]) -> int:
         """Drop every pair of these entries (cost: the length of their logs); returns pairs dropped."""
@@ -300,14 +301,12 @@ class Shard:
                 continue
             for key in log:
                 held = holders_map.get(key)
-                if held is None:
-                    continue
-                if held.__class__ is int:
+                if type(held) is int:
                     if held == entry_id:
                         del holders_map[key]
                         cleared += 1
-                elif entry_id in held:  # type: ignore[operator]
-                    holder_lru: dict[int, int] = held  # type: ignore[assignment]
+                elif type(held) is dict and entry_id in held:
+                    holder_lru = held
                     self.frozen.pop(key, None)
                     del holder_lru[entry_id]
                     cleared += 1
@@ -315,7 +314,7 @@ class Shard:
         return cleared
 
 
-def _fold(holders_map: dict[int, _Holders], key: int, holder_lru: dict[int, int]) -> None:
+def _fold(holders_map: dict[int, KeyHolders], key: int, holder_lru: dict[int, int]) -> None:
     """Restore the holder invariant after a pair lost copies (the key keeps its LRU place)."""
     if len(holder_lru) > 1:
         return
