@@ -2,7 +2,8 @@
 
 A sharded-lock, two-level LRU map: block key -> small LRU of pod entries (pod, dp rank, tier), each with
 the number of physical copies the pod announced. Pure and synchronous: no sockets, clocks or threads of
-its own (locks only, so readers and writers on different threads are safe).
+its own (locks only, so readers and writers on different threads are safe). This module is the facade
+(entry interning, batch validation and routing, lookups, views); the shards themselves are shard.py.
 """
 
 from __future__ import annotations
@@ -376,8 +377,7 @@ class KVIndex:
         result: dict[int, dict[Entry, int]] = {}
         for shard in self._shards:
             with shard.lock:
-                for key, held in shard.holders.items():
-                    copies = held if isinstance(held, dict) else {held: 1}
+                for key, copies in shard.copies_by_key():
                     result[key] = {entries[i]: count for i, count in copies.items()}
         return result
 
@@ -386,34 +386,5 @@ class KVIndex:
         problems: list[str] = []
         for shard_no, shard in enumerate(self._shards):
             with shard.lock:
-                if len(shard.holders) > shard.capacity:
-                    problems.append(f"shard {shard_no}: {len(shard.holders)} keys > {shard.capacity}")
-                live: dict[int, int] = {}
-                logged = {entry_id: set(log) for entry_id, log in shard.entry_keys.items()}
-                for key, held in shard.holders.items():
-                    if key % self.num_shards != shard_no:
-                        problems.append(f"key {key} in shard {shard_no}")
-                    if isinstance(held, dict):
-                        if not 1 <= len(held) <= self.max_pods_per_key:
-                            problems.append(f"key {key}: {len(held)} holders in a dict")
-                        if len(held) == 1 and next(iter(held.values())) == 1:
-                            problems.append(f"key {key}: one holder with one copy left in a dict")
-                        if not all(1 <= count <= MAX_COPIES for count in held.values()):
-                            problems.append(f"key {key}: copy counts out of range {held}")
-                        ids: Iterable[int] = held
-                    else:
-                        ids = (held,)
-                    for entry_id in ids:
-                        live[entry_id] = live.get(entry_id, 0) + 1
-                        if key not in logged.get(entry_id, ()):
-                            problems.append(
-                                f"shard {shard_no}: key {key} missing from entry {entry_id}'s log"
-                            )
-                for key, ids in shard.frozen.items():
-                    frozen_of = shard.holders.get(key)
-                    if not isinstance(frozen_of, dict) or tuple(frozen_of) != ids:
-                        problems.append(f"shard {shard_no}: stale lookup tuple for key {key}")
-                counted = {entry_id: n for entry_id, n in shard.entry_live.items() if n}
-                if counted != live:
-                    problems.append(f"shard {shard_no}: live counts {counted} != held pairs {live}")
+                problems.extend(shard.problems(shard_no, self.num_shards))
         return problems

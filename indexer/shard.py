@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Final, Literal
 
@@ -312,6 +312,49 @@ class Shard:
                     cleared += 1
                     _fold(holders_map, key, holder_lru)
         return cleared
+
+    # -- whole-shard views, for KVIndex.snapshot_copies and check_consistency (O(shard)) ----------------
+
+    def copies_by_key(self) -> Iterator[tuple[int, dict[int, int]]]:
+        """Every key with its holders' copy counts (entry id -> copies), in key LRU order."""
+        for key, held in self.holders.items():
+            yield key, held if isinstance(held, dict) else {held: 1}
+
+    def problems(self, shard_no: int, num_shards: int) -> list[str]:
+        """Violations of this shard's invariants (empty when sound), as shard `shard_no` of `num_shards`.
+
+        The cap, key routing, the holder representation, lookup tuples, reverse logs and live counts.
+        """
+        problems: list[str] = []
+        if len(self.holders) > self.capacity:
+            problems.append(f"shard {shard_no}: {len(self.holders)} keys > {self.capacity}")
+        live: dict[int, int] = {}
+        logged = {entry_id: set(log) for entry_id, log in self.entry_keys.items()}
+        for key, held in self.holders.items():
+            if key % num_shards != shard_no:
+                problems.append(f"key {key} in shard {shard_no}")
+            if isinstance(held, dict):
+                if not 1 <= len(held) <= self.max_pods_per_key:
+                    problems.append(f"key {key}: {len(held)} holders in a dict")
+                if len(held) == 1 and next(iter(held.values())) == 1:
+                    problems.append(f"key {key}: one holder with one copy left in a dict")
+                if not all(1 <= count <= MAX_COPIES for count in held.values()):
+                    problems.append(f"key {key}: copy counts out of range {held}")
+                ids: Iterable[int] = held
+            else:
+                ids = (held,)
+            for entry_id in ids:
+                live[entry_id] = live.get(entry_id, 0) + 1
+                if key not in logged.get(entry_id, ()):
+                    problems.append(f"shard {shard_no}: key {key} missing from entry {entry_id}'s log")
+        for key, ids in self.frozen.items():
+            frozen_of = self.holders.get(key)
+            if not isinstance(frozen_of, dict) or tuple(frozen_of) != ids:
+                problems.append(f"shard {shard_no}: stale lookup tuple for key {key}")
+        counted = {entry_id: n for entry_id, n in self.entry_live.items() if n}
+        if counted != live:
+            problems.append(f"shard {shard_no}: live counts {counted} != held pairs {live}")
+        return problems
 
 
 def _fold(holders_map: dict[int, KeyHolders], key: int, holder_lru: dict[int, int]) -> None:
