@@ -95,6 +95,8 @@ class KVIndex:
         self.max_pods_per_key = max_pods_per_key
         self.shard_capacity = max(1, max_keys // num_shards)
         self._shards = [Shard(self.shard_capacity, max_pods_per_key) for _ in range(num_shards)]
+        # One lock per shard (same position), held around every read or write of that shard.
+        self._locks = [threading.Lock() for _ in range(num_shards)]
         self.shard_low_water = self._shards[0].low_water
         # Interned entries: ids are small ints, never reused, append-only (readable without the lock).
         self._intern_lock = threading.Lock()
@@ -149,7 +151,7 @@ class KVIndex:
             counts = [0] * NUM_COUNTS
             shard = self._shards[0]
             pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
-            with shard.lock:
+            with self._locks[0]:
                 shard.apply_steps(steps, pod_entry_ids, counts)
             return ApplyStats(*counts)
         return self._apply_sharded(pod, events)
@@ -238,10 +240,10 @@ class KVIndex:
         counts = [0] * NUM_COUNTS
         pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
         shards = self._shards
+        locks = self._locks
         for shard_no, steps in shard_steps.items():
-            shard = shards[shard_no]
-            with shard.lock:
-                shard.apply_steps(steps, pod_entry_ids, counts)
+            with locks[shard_no]:
+                shards[shard_no].apply_steps(steps, pod_entry_ids, counts)
         return ApplyStats(*counts)
 
     def clear_pod(self, pod: PodRef) -> int:
@@ -250,8 +252,8 @@ class KVIndex:
         if not entry_ids:
             return 0
         cleared = 0
-        for shard in self._shards:
-            with shard.lock:
+        for shard, lock in zip(self._shards, self._locks, strict=True):
+            with lock:
                 cleared += shard.clear_entries(entry_ids)
         return cleared
 
@@ -275,7 +277,7 @@ class KVIndex:
         result: list[HolderIds] = []
         append = result.append
         shards = self._shards
-        locks = [shard.lock for shard in shards]
+        locks = self._locks
         for lock in locks:
             lock.acquire()
         # NOTE: the loops narrow a dict holder (for mypy) only to freeze it, once per key and write, not
@@ -375,8 +377,8 @@ class KVIndex:
         """Every key and its holders with their copy counts (takes each shard lock once)."""
         entries = self._entries
         result: dict[int, dict[Entry, int]] = {}
-        for shard in self._shards:
-            with shard.lock:
+        for shard, lock in zip(self._shards, self._locks, strict=True):
+            with lock:
                 for key, copies in shard.copies_by_key():
                     result[key] = {entries[i]: count for i, count in copies.items()}
         return result
@@ -384,7 +386,7 @@ class KVIndex:
     def check_consistency(self) -> list[str]:
         """Violations of the index's invariants (empty when sound): caps, shard routing, reverse map."""
         problems: list[str] = []
-        for shard_no, shard in enumerate(self._shards):
-            with shard.lock:
+        for shard_no, (shard, lock) in enumerate(zip(self._shards, self._locks, strict=True)):
+            with lock:
                 problems.extend(shard.problems(shard_no, self.num_shards))
         return problems

@@ -1,13 +1,13 @@
-"""The block index's shards: one lock's worth of keys each (used by indexer/index.py only).
+"""The block index's shards: the keys of one lock each (used by indexer/index.py only).
 
 A shard is the mechanism under `KVIndex`: the key LRU (block key -> holders), each key's holder LRU with
-copy counts, and per entry a reverse log of the keys it stored. It knows entry ids, never pods or tiers;
-the facade interns entries, validates batches, routes them here and takes the locks.
+copy counts, and per entry a reverse log of the keys it stored. It knows entry ids, never pods or tiers,
+and holds no lock: the facade interns entries, validates batches, routes them here and holds each shard's
+lock, so this module stays free of threads.
 """
 
 from __future__ import annotations
 
-import threading
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -77,10 +77,9 @@ NUM_COUNTS = 9
 
 
 class Shard:
-    """One lock's worth of the index: the key LRU and, per entry, a log of the keys it stored here."""
+    """One shard of the index: the key LRU and, per entry, a log of the keys it stored here."""
 
     __slots__ = (
-        "lock",
         "holders",
         "frozen",
         "interned",
@@ -92,7 +91,6 @@ class Shard:
     )
 
     def __init__(self, capacity: int, max_pods_per_key: int) -> None:
-        self.lock = threading.Lock()
         # Block key -> holders; a plain dict is insertion-ordered, so it is the key LRU (least recently
         # *stored* first; a store re-inserts, reads never move anything). An OrderedDict would cost ~75 B
         # more per key.
@@ -114,7 +112,7 @@ class Shard:
         self.low_water = capacity - capacity // 64
         self.max_pods_per_key = max_pods_per_key
 
-    # All methods below run with self.lock held.
+    # All methods below run with this shard's lock (KVIndex._locks) held.
 
     def apply_steps(self, steps: Iterable[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
         for step in steps:
