@@ -57,7 +57,7 @@ def test_late_join_then_live_stream_matches_the_engines(engines: list[Engine]) -
 def index_stalled(index: KVIndex) -> Iterator[None]:
     """Hold every shard lock of the index: a worker that reaches `apply` waits there, deterministically
     (what a stalled indexer looks like to its queues)."""
-    locks = [shard.lock for shard in index._shards]
+    locks = list(index._locks)
     for lock in locks:
         lock.acquire()
     try:
