@@ -21,7 +21,7 @@ import msgspec
 from kvindex.indexer.model import PodConfig
 
 from benchmarks.faults.engines import FaultEngine, LinkProxy, PortPool, make_hasher, prefix_pool, tcp
-from benchmarks.faults.schedule import Schedule, Step, disconnecting_engines, late_engines
+from benchmarks.faults.schedule import Schedule, Step, describe_step, disconnecting_engines, late_engines
 from benchmarks.faults.subject import (
     MODEL,
     HarnessKnobs,
@@ -187,7 +187,7 @@ class _Run:
         elif action == "stall":
             stalled = self.kvindex_up and self.subject.stall()
             if self.kvindex_up and not stalled:
-                self.notes.append(f"{describe(step)}: kvindex could not be stalled")
+                self.notes.append(f"{describe_step(step)}: kvindex could not be stalled")
             try:
                 self._bursts(step)
                 pace(step.ms)
@@ -285,12 +285,6 @@ def pace(ms: int) -> None:
 def pace_s(seconds: float) -> None:
     if seconds > 0:
         time.sleep(seconds)  # ok: schedule pacing (deliberate), not a wait for a condition
-
-
-def describe(step: Step) -> str:
-    from benchmarks.faults.schedule import describe_step
-
-    return describe_step(step).split("  ")[0]
 
 
 def run_schedule(
