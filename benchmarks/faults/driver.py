@@ -178,6 +178,8 @@ class _Run:
             links = self.proxies.get(engine.spec.name, [])
             for link in links:
                 link.cut()
+            if step.restart:
+                engine.restart()
             engine.requests(step.n, step.seed)
             engine.flush()
             pace(step.ms)
@@ -221,10 +223,14 @@ class _Run:
         return engine.last_batch_at is None or engine.last_batch_at < link_up + SUBSCRIPTION_GRACE_S
 
     def _bursts(self, step: Step, half: int = 0) -> None:
-        """Each burst at once; `half` 1 / 2: the first / second half of each (0: all of it, drained)."""
+        """Each burst at once; `half` 1 / 2: the first / second half of each (0: all of it, drained).
+        A restarting burst's engine restarts first (with `half`: between the halves, so while kvindex
+        is down)."""
         for burst in step.bursts:
             engine = self.engines[burst.engine]
             first = (burst.n + 1) // 2
+            if burst.restart and half != 1:
+                engine.restart()
             if half == 0:
                 engine.requests(burst.n, burst.seed)
             elif half == 1:

@@ -24,6 +24,7 @@ Action = Literal[
     "restart",  # a new engine process on the same endpoints: empty cache, seq from 0, then `n` batches
     "stop",  # the engine publishes nothing more, ever (its sockets stay up)
     "disconnect",  # the engine's links (live and replay) are cut for `ms`; `n` batches go out meanwhile
+    # (after a restart of the engine, if `restart`)
     "stall",  # kvindex stalls (SIGSTOP, or its worker blocked) for `ms` while `bursts` are published
     "kvindex_restart",  # kvindex dies (kill -9, or abandoned) mid-burst and is back after `ms`
     "quiet",  # nothing happens for `ms` (quiet probes fire)
@@ -65,9 +66,13 @@ DEFAULT_RING = 1000  # buffer_steps; vLLM's default is 10,000
 
 
 class Burst(msgspec.Struct, frozen=True, array_like=True):
+    """`n` batches from `engine` at once; `restart`: a new engine process (same endpoints, seq from 0)
+    first — inside the fault's window (while kvindex is stalled or down)."""
+
     engine: str
     n: int
     seed: int
+    restart: bool = False
 
 
 class Step(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -80,6 +85,7 @@ class Step(msgspec.Struct, frozen=True, omit_defaults=True):
     ms: int = 0
     bursts: tuple[Burst, ...] = ()
     pause_ms: int = 0
+    restart: bool = False  # disconnect only: the engine restarts while its links are cut
 
     def engines(self) -> list[str]:
         """Every engine this step touches."""
@@ -155,24 +161,35 @@ def _walk(schedule: Schedule) -> tuple[dict[str, list[int]], list[tuple[int, int
         if active(name):
             counts[name][-1] += n
 
+    def new_incarnation(name: str) -> None:
+        counts[name].append(0)
+        restarts.append((name, len(counts[name]) - 1))
+
     for step in schedule.steps:
         name = step.engine
         if name is not None:
             if step.action == "start" and not opened[name]:
                 opened[name] = True
                 add(name, step.n)
+            elif step.action == "disconnect" and step.restart and active(name):
+                new_incarnation(name)
+                add(name, step.n)
             elif step.action in ("requests", "disconnect"):
                 add(name, step.n)
             elif step.action == "clear":
                 add(name, 1)
             elif step.action == "restart" and active(name):
-                counts[name].append(0)
-                restarts.append((name, len(counts[name]) - 1))
+                new_incarnation(name)
                 add(name, step.n)
             elif step.action == "stop":
                 stopped.add(name)
         for burst in step.bursts:
-            add(burst.engine, burst.n)
+            # kvindex_restart: the first half goes out before kvindex dies, the engine restarts after.
+            before = (burst.n + 1) // 2 if step.action == "kvindex_restart" else 0
+            add(burst.engine, before)
+            if burst.restart and active(burst.engine):
+                new_incarnation(burst.engine)
+            add(burst.engine, burst.n - before)
     sizes = [(counts[name][index - 1], counts[name][index]) for name, index in restarts]
     return counts, sizes
 
@@ -226,13 +243,12 @@ DEFAULT_OPTIONS = GenerateOptions()
 
 
 class _Builder:
-    """Appends steps while keeping count of each engine's batches in its current incarnation."""
+    """Appends steps for the engines that can still act (started, not stopped)."""
 
     def __init__(self, rng: random.Random, engines: list[EngineSpec]) -> None:
         self.rng = rng
         self.engines = engines
         self.steps: list[Step] = []
-        self.batches = {spec.name: 0 for spec in engines}
         self.stopped: set[str] = set()
         self.late: set[str] = set()
         self.started: set[str] = set()
@@ -262,16 +278,13 @@ class _Builder:
 
     def add(self, step: Step) -> None:
         self.steps.append(step)
-        name = step.engine
-        if name is not None:
-            if step.action in ("start", "requests", "disconnect"):
-                self.batches[name] += step.n
-            elif step.action == "clear":
-                self.batches[name] += 1
-            elif step.action == "restart":
-                self.batches[name] = step.n
-        for burst in step.bursts:
-            self.batches[burst.engine] += burst.n
+
+    def batches(self, name: str) -> int:
+        """Batches the engine's current incarnation has published so far (as the driver will run it)."""
+        so_far = Schedule(
+            seed=0, mode="connect", runner="inproc", engines=tuple(self.engines), steps=tuple(self.steps)
+        )
+        return batch_counts(so_far)[name][-1]
 
     def traffic(self, max_steps: int = 3) -> None:
         for _ in range(self.rng.randint(0, max_steps)):
@@ -281,8 +294,15 @@ class _Builder:
                     Step("requests", name, n=self.rng.randint(1, 12), seed=self.seed(), pause_ms=self.pause())
                 )
 
-    def bursts(self, names: Sequence[str], low: int, high: int) -> tuple[Burst, ...]:
-        return tuple(Burst(name, self.rng.randint(low, high), self.seed()) for name in names)
+    def bursts(
+        self, names: Sequence[str], low: int, high: int, restart_share: float = 0.0
+    ) -> tuple[Burst, ...]:
+        """One burst per engine; with probability `restart_share` one of them restarts first."""
+        restarting = self.rng.choice(names) if names and self.rng.random() < restart_share else None
+        return tuple(
+            Burst(name, self.rng.randint(low, high), self.seed(), restart=name == restarting)
+            for name in names
+        )
 
 
 def generate(seed: int, options: GenerateOptions = DEFAULT_OPTIONS) -> Schedule:
@@ -361,7 +381,7 @@ def _add_fault(
     if fault == "late_start":  # a single-engine schedule (no late engine): the engine starts late instead
         fault = "restart_longer"
     if fault in ("restart_shorter", "restart_longer"):
-        before = build.batches[name]
+        before = build.batches(name)
         if fault == "restart_shorter" and before >= 2:
             n = rng.randint(1, before - 1)
         else:
@@ -376,7 +396,7 @@ def _add_fault(
             Step(
                 "stall",
                 ms=rng.randrange(100, 500),
-                bursts=build.bursts(names, 10, 150),
+                bursts=build.bursts(names, 10, 150, restart_share=0.25),
                 pause_ms=build.pause(),
             )
         )
@@ -410,6 +430,7 @@ def _add_fault(
                 seed=build.seed(),
                 ms=rng.randrange(100, 600),
                 pause_ms=build.pause(),
+                restart=rng.random() < 0.2,
             )
         )
     elif fault == "kvindex_restart":
@@ -418,7 +439,7 @@ def _add_fault(
             Step(
                 "kvindex_restart",
                 ms=rng.randrange(0, 400),
-                bursts=build.bursts(names, 4, 80),
+                bursts=build.bursts(names, 4, 80, restart_share=0.25),
                 pause_ms=build.pause(),
             )
         )
@@ -443,8 +464,11 @@ def describe_step(step: Step) -> str:
         parts.append(f"n={step.n}")
     if step.ms:
         parts.append(f"for {step.ms}ms")
+    if step.restart:
+        parts.append("(engine restarts while cut)")
     if step.bursts:
-        parts.append("bursts " + " ".join(f"{burst.engine}x{burst.n}" for burst in step.bursts))
+        bursts = [f"{b.engine}{' restarts, then' if b.restart else ''}x{b.n}" for b in step.bursts]
+        parts.append("bursts " + " ".join(bursts))
     if step.pause_ms:
         parts.append(f"then {step.pause_ms}ms")
     return "  ".join(parts).rstrip()

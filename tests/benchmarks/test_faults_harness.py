@@ -75,9 +75,12 @@ def test_batch_counts_follow_the_steps_per_incarnation() -> None:
             Step("stop", "b.0"),
             Step("requests", "b.0", n=9),
             Step("restart", "a.0", n=1),
+            # Half the burst before kvindex dies, the rest from a new engine process while it is down.
+            Step("kvindex_restart", bursts=(Burst("a.0", 4, 3, restart=True),)),
+            Step("disconnect", "a.0", n=5, restart=True),  # the engine restarts while its link is cut
         ),
     )
-    assert batch_counts(schedule) == {"a.0": [6, 9, 1], "b.0": [5]}
+    assert batch_counts(schedule) == {"a.0": [6, 9, 3, 2, 5], "b.0": [5]}
     assert {"restart_shorter", "restart_longer", "late_start", "stall_burst"} <= kinds_of(schedule)
 
 
