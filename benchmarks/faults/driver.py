@@ -44,9 +44,11 @@ SUBSCRIPTION_GRACE_S = 0.5
 class QuiesceSettings(msgspec.Struct, frozen=True):
     probe_round_s: float = 0.4  # the watch thread's tick plus one replay on loopback
     poll_s: float = 0.1
-    settle_s: float = 1.2  # a verdict that has not changed for this long is final
+    # A verdict that is not exact is final once it has not changed for this long beyond kvindex's own
+    # waits: a replay's idle timeout (a reply lost with a cut link) and the SUB's reconnect backoff cap.
+    settle_s: float = 1.0
     exact_confirm_s: float = 0.2  # an exact verdict is final once it still holds this much later
-    extra_deadline_s: float = 6.0  # beyond quiet + probe round + replay timeout: then the verdict stands
+    extra_deadline_s: float = 6.0  # beyond the settle time: then the verdict stands, changing or not
 
 
 DEFAULT_QUIESCE = QuiesceSettings()
@@ -265,7 +267,8 @@ class _Run:
         for engine in self.engines.values():
             engine.flush()
         pace_s(self.knobs.quiet_probe_after_s + settings.probe_round_s)
-        deadline = time.monotonic() + self.knobs.replay_timeout_s + settings.extra_deadline_s
+        settle_s = settings.settle_s + self.knobs.replay_timeout_s + self.subject.reconnect_cap_s
+        deadline = time.monotonic() + settle_s + settings.extra_deadline_s
         universe: set[int] = set().union(*(engine.ever for engine in self.engines.values()))
         last: list[PodVerdict] | None = None
         since = time.monotonic()
@@ -276,7 +279,7 @@ class _Run:
                 last, since = verdicts, now
             all_exact = all(v.outcome == "exact" for v in verdicts)
             held_for = now - since
-            if (all_exact and held_for >= settings.exact_confirm_s) or held_for >= settings.settle_s:
+            if (all_exact and held_for >= settings.exact_confirm_s) or held_for >= settle_s:
                 return verdicts
             if now > deadline:
                 self.notes.append("verdict still changing at the deadline")

@@ -64,6 +64,11 @@ class Subject(Protocol):
         """Every stream kvindex lists, with its claims among `universe` (every hash ever stored)."""
         ...
 
+    @property
+    def reconnect_cap_s(self) -> float:
+        """The longest kvindex's SUB waits between redials of an engine that was gone."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -110,6 +115,7 @@ class InprocSubject:
         self._settings = settings
         self.service: IngestService | None = None
         self._held: list[threading.Lock] = []
+        self.reconnect_cap_s = settings.reconnect_ivl_max_ms / 1000
 
     def start(self) -> None:
         deadline = time.monotonic() + _REBIND_TIMEOUT_S
@@ -224,6 +230,8 @@ class ProcessSubject(KvindexService):
     def __init__(self, config_text: str, *, startup_timeout_s: float = 60.0) -> None:
         super().__init__([], model=MODEL, startup_timeout_s=startup_timeout_s)
         self.config_text = config_text
+        # The config file has no key for it: kvindex serve redials with IngestSettings' default cap.
+        self.reconnect_cap_s = IngestSettings().reconnect_ivl_max_ms / 1000
         self._stopped = False
 
     def start(self) -> None:
