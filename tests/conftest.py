@@ -4,17 +4,25 @@ closed at teardown.
 This folder is on sys.path (pytest's rootdir conftest), so the helper modules beside this file import by
 name: `from waiting import wait_for` (the one deadline poll), `from engines import Engine` (an
 EventPublisher with a reference of what it holds), `from replay_support import ...` (vectors, frames).
+The repository root is put there too: benchmarks/ is not part of the installed package, and its fault
+harness (`benchmarks.faults`) drives the ingest lifecycle tests as well as the benchmark smoke tests.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 from engines import Engine
 from replay_support import load_vectors
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
 
 
 @pytest.fixture(scope="session")

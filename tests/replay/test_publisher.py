@@ -6,6 +6,7 @@ from the recorded fields, published through a real PUB/ROUTER and read back on r
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -289,3 +290,19 @@ def test_publish_returns_promptly_even_without_subscribers(ctx: Ctx) -> None:
             publisher.publish([], ts=float(ts))
         assert publisher.flush(5.0)
         assert publisher.sent_count + publisher.dropped_count == 50
+
+
+def test_bind_true_binds_a_fixed_loopback_port_that_vllms_rule_would_dial(ctx: Ctx) -> None:
+    """An engine restarted on the port it had: vLLM's rule connects `tcp://127.0.0.1:P`, bind=True binds."""
+    with socket.socket() as probe:  # a port the kernel just handed out (released at once on close)
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    with connect(ctx, zmq.SUB, endpoint) as sub, EventPublisher(endpoint, ctx=ctx, bind=True) as publisher:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        assert publisher.endpoint == endpoint
+
+        def arrived() -> bool:
+            assert publisher.publish([], ts=1.0)
+            return bool(sub.poll(50))
+
+        assert any(arrived() for _ in range(100)), "a SUB dialling the fixed port never heard the publisher"

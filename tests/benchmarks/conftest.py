@@ -1,8 +1,0 @@
-"""benchmarks/ is not part of the installed package: make the repository root importable for its tests."""
-
-import sys
-from pathlib import Path
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
