@@ -20,7 +20,16 @@ from contextlib import ExitStack
 import msgspec
 from kvindex.indexer.model import PodConfig
 
-from benchmarks.faults.engines import FaultEngine, LinkProxy, PortPool, make_hasher, prefix_pool, tcp
+from benchmarks.faults.engines import (
+    LOOPBACK,
+    FaultEngine,
+    LinkProxy,
+    PortPool,
+    make_hasher,
+    pod_host,
+    prefix_pool,
+    tcp,
+)
 from benchmarks.faults.schedule import Schedule, Step, describe_step, disconnecting_engines, late_engines
 from benchmarks.faults.subject import (
     MODEL,
@@ -33,7 +42,7 @@ from benchmarks.faults.subject import (
     ingest_settings,
     serve_config,
 )
-from benchmarks.faults.verdict import PodVerdict, judge, worst
+from benchmarks.faults.verdict import PodVerdict, is_failure, judge, worst
 
 # Bind mode: how long after a link comes up (kvindex listening, the engine's PUB dialling, a cut link
 # restored) a batch can still be lost because kvindex's subscription has not reached the PUB yet.
@@ -88,8 +97,16 @@ class _Run:
         for spec in schedule.engines:
             ranks_by_pod[spec.pod] = max(ranks_by_pod.get(spec.pod, 0), spec.rank + 1)
         max_ranks = max(ranks_by_pod.values(), default=1)
-        listen_base = ports.run(max_ranks) if bind_mode else 0
-        self.listen = [tcp(listen_base + r) for r in range(max_ranks)] if bind_mode else []
+        hosts = {pod: pod_host(index) for index, pod in enumerate(ranks_by_pod)}
+        self.listen: list[str] = []
+        self.listen_replay: str | None = None
+        if bind_mode:
+            # Engines dial kvindex (rank r at listen port + r); kvindex reaches pod P's replay socket at
+            # tcp://P:port (+ r), so the pod id is its loopback host and every pod uses the same port.
+            listen_base = ports.run(max_ranks)
+            self.listen = [tcp(listen_base + r) for r in range(max_ranks)]
+            replay_port = ports.run(max_ranks, hosts=[LOOPBACK, *hosts.values()])
+            self.listen_replay = f"tcp://{{pod}}:{replay_port}"
         pub_base = {pod: ports.run(n) for pod, n in ranks_by_pod.items()}
         replay_base = {pod: ports.run(n) for pod, n in ranks_by_pod.items()}
         self.engines: dict[str, FaultEngine] = {}
@@ -98,22 +115,21 @@ class _Run:
         pods: list[PodConfig] = []
         for spec in schedule.engines:
             r = spec.rank
-            real_pub = pub_base[spec.pod] + r
-            real_replay = replay_base[spec.pod] + r
             if bind_mode:
-                # The engine dials kvindex (rank r at listen port + r); kvindex reaches its replay socket
-                # through the template tcp://{pod}, so the pod id is the replay base address.
-                pod_id = f"127.0.0.1:{replay_base[spec.pod]}"
-                dial_pub = listen_base + r
+                pod_id = hosts[spec.pod]
+                pub_port, replay_host, replay_port_r = listen_base + r, pod_id, replay_port + r
                 if spec.name in cut:
+                    # kvindex <- live proxy <- engine's PUB; kvindex -> replay proxy (where kvindex looks
+                    # for the pod's replay socket) -> the engine's ROUTER on 127.0.0.1.
                     live = LinkProxy(ports.run(1), listen_base + r)
-                    replay = LinkProxy(real_replay, ports.run(1))
+                    replay = LinkProxy(replay_port + r, ports.run(1), host=pod_id)
                     self.proxies[spec.name] = [live, replay]
-                    dial_pub, real_replay = live.port, replay.target_port
+                    pub_port, replay_host, replay_port_r = live.port, LOOPBACK, replay.target_port
                 engine = FaultEngine(
                     spec,
-                    pub_base=tcp(dial_pub - r),
-                    replay_base=tcp(real_replay - r),
+                    # Base endpoints: the publisher adds the DP rank, as vLLM does.
+                    pub_base=tcp(pub_port - r),
+                    replay_base=tcp(replay_port_r - r, replay_host),
                     bind_pub=None,  # vLLM's rule: a named host is dialled
                     topic=f"kv@{pod_id}@{MODEL}",
                     prefixes=prefixes,
@@ -121,10 +137,10 @@ class _Run:
                 )
             else:
                 pod_id = spec.pod
-                pub_endpoint, replay_endpoint = tcp(real_pub), tcp(real_replay)
+                pub_endpoint, replay_endpoint = tcp(pub_base[spec.pod] + r), tcp(replay_base[spec.pod] + r)
                 if spec.name in cut:
-                    live = LinkProxy(ports.run(1), real_pub)
-                    replay = LinkProxy(ports.run(1), real_replay)
+                    live = LinkProxy(ports.run(1), pub_base[spec.pod] + r)
+                    replay = LinkProxy(ports.run(1), replay_base[spec.pod] + r)
                     self.proxies[spec.name] = [live, replay]
                     pub_endpoint, replay_endpoint = live.endpoint, replay.endpoint
                 pods.append(
@@ -147,9 +163,10 @@ class _Run:
                 stack.callback(link.close)
         self.subject: Subject
         if schedule.runner == "process":
-            self.subject = ProcessSubject(serve_config(pods, self.listen, knobs))
+            self.subject = ProcessSubject(serve_config(pods, self.listen, self.listen_replay, knobs))
         else:
-            self.subject = InprocSubject(pods, self.listen, ingest_settings(knobs, bind_mode=bind_mode))
+            settings = ingest_settings(knobs, listen_replay=self.listen_replay)
+            self.subject = InprocSubject(pods, self.listen, settings)
         stack.callback(self.subject.close)
         self.kvindex_up = False
         self.kvindex_up_at = 0.0
@@ -263,6 +280,22 @@ class _Run:
             )
         return result
 
+    def explain_failure(self, verdicts: list[PodVerdict]) -> None:
+        """What kvindex and the harness knew about each failing pod (for the report)."""
+        views = self.subject.view(())
+        for verdict in verdicts:
+            if not is_failure(verdict.outcome):
+                continue
+            engine = self.engines[verdict.engine]
+            view = views.get(self.pod_keys[verdict.engine])
+            said = view.detail if view is not None else "not listed"
+            self.notes.append(
+                f"{verdict.engine}: kvindex says {said}; the engine is incarnation {engine.incarnation}, "
+                f"{engine.batches} batches (last seq {engine.batches - 1})"
+            )
+            self.notes += [link.describe() for link in self.proxies.get(verdict.engine, [])]
+        self.notes += self.subject.diagnostics()
+
     def quiesce(self, settings: QuiesceSettings) -> list[PodVerdict]:
         for engine in self.engines.values():
             engine.flush()
@@ -320,6 +353,8 @@ def run_schedule(
                 run.perform(step)
                 pace(step.pause_ms)
             verdicts = run.quiesce(quiesce) if run.kvindex_up else run.verdicts({})
+            if is_failure(worst(v.outcome for v in verdicts)):
+                run.explain_failure(verdicts)
             return Outcome(
                 schedule=schedule,
                 outcome=worst(v.outcome for v in verdicts),

@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 from kvindex.hashing import BlockHasher
@@ -33,6 +33,7 @@ _REBIND_TIMEOUT_S = 10.0
 # Ports handed out by `reserve_ports` come from below Linux's ephemeral range (32768+), so a socket
 # some library binds to port 0 never takes one between our check and our bind.
 _PORT_LOW, _PORT_HIGH = 20_000, 32_000
+LOOPBACK = "127.0.0.1"
 
 
 def prefix_pool(prefix_seed: int) -> list[list[int]]:
@@ -207,29 +208,39 @@ class PortPool:
         self._rng = rng
         self._given: set[int] = set()
 
-    def run(self, count: int) -> int:
-        """The first port of `count` consecutive ports that are free now and not handed out before."""
+    def run(self, count: int, hosts: Sequence[str] = (LOOPBACK,)) -> int:
+        """The first port of `count` consecutive ports that are free now on every one of `hosts` and
+        not handed out before."""
         for _ in range(500):
             base = self._rng.randrange(_PORT_LOW, _PORT_HIGH - count)
             ports = range(base, base + count)
-            if self._given.intersection(ports) or not all(_port_is_free(port) for port in ports):
+            if self._given.intersection(ports) or not all(
+                _port_is_free(host, port) for host in hosts for port in ports
+            ):
                 continue
             self._given.update(ports)
             return base
         raise RuntimeError("no run of free loopback ports found")
 
 
-def _port_is_free(port: int) -> bool:
+def _port_is_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
     return True
 
 
-def tcp(port: int) -> str:
-    return f"tcp://127.0.0.1:{port}"
+def tcp(port: int, host: str = LOOPBACK) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def pod_host(index: int) -> str:
+    """Bind mode's pod address: pod i is 127.0.0.(i+2), on the loopback interface like 127.0.0.1. kvindex
+    reaches a bind-mode pod's replay socket at `tcp://{pod}:PORT` (+ DP rank), so pods that share a port
+    need their own host, as real pods have."""
+    return f"127.0.0.{index + 2}"
 
 
 # --- a link that can be cut -----------------------------------------------------------------------
@@ -252,14 +263,15 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 class LinkProxy:
-    """A TCP forwarder from 127.0.0.1:`port` to 127.0.0.1:`target_port`: an engine's network link.
+    """A TCP forwarder from `host`:`port` to 127.0.0.1:`target_port`: an engine's network link.
 
     `cut()` resets every forwarded connection and stops listening, so peers see a dead link and get
     "connection refused" on every retry; `restore()` listens on the same port again. One thread moves
     the bytes (non-blocking: a side that stops reading holds back only its own connection).
     """
 
-    def __init__(self, port: int, target_port: int) -> None:
+    def __init__(self, port: int, target_port: int, host: str = LOOPBACK) -> None:
+        self.host = host
         self.port = port
         self.target_port = target_port
         self._selector = selectors.DefaultSelector()
@@ -272,13 +284,23 @@ class LinkProxy:
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._running = True
+        self.accepted = 0  # connections forwarded
+        self.refused = 0  # connections closed because nothing listened behind the link
         self._listen()
         self._thread = threading.Thread(target=self._run, name=f"link-proxy-{port}", daemon=True)
         self._thread.start()
 
     @property
     def endpoint(self) -> str:
-        return tcp(self.port)
+        return tcp(self.port, self.host)
+
+    def describe(self) -> str:
+        state = "listening" if self._listener is not None else "cut"
+        alive = "" if self._thread.is_alive() else ", its thread is dead"
+        return (
+            f"link {self.endpoint} -> :{self.target_port} {state}, {len(self._pairs) // 2} connections, "
+            f"{self.accepted} forwarded, {self.refused} refused upstream{alive}"
+        )
 
     def cut(self) -> None:
         self._call(self._cut)
@@ -314,7 +336,7 @@ class LinkProxy:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         while True:
             try:
-                listener.bind(("127.0.0.1", self.port))
+                listener.bind((self.host, self.port))
                 break
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
@@ -351,10 +373,12 @@ class LinkProxy:
         except BlockingIOError:
             return
         try:
-            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=1.0)
+            upstream = socket.create_connection((LOOPBACK, self.target_port), timeout=1.0)
         except OSError:
             client.close()  # nothing behind the link right now: the peer retries
+            self.refused += 1
             return
+        self.accepted += 1
         for sock in (client, upstream):
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

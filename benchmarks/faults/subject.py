@@ -43,6 +43,17 @@ class PodView(msgspec.Struct, frozen=True):
     partial_view: bool
     last_seq: int | None
     claims: frozenset[int]
+    detail: str = ""  # the rest of the row, for a failure's report
+
+
+def status_detail(row: dict[str, object]) -> str:
+    """The /v1/pods fields that tell a failure's story, on one line."""
+    age = row.get("last_event_age_s")
+    heard = f"last live {age:.1f}s ago" if isinstance(age, int | float) else "never heard live"
+    return (
+        f"last_seq {row.get('last_seq')}, events {row.get('events_total')}, gaps {row.get('gaps_total')}, "
+        f"replays {row.get('replays_total')}, restarts {row.get('restarts_total')}, {heard}"
+    )
 
 
 class Subject(Protocol):
@@ -69,6 +80,10 @@ class Subject(Protocol):
         """The longest kvindex's SUB waits between redials of an engine that was gone."""
         ...
 
+    def diagnostics(self) -> list[str]:
+        """Process-wide counters worth a failure's report."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -89,7 +104,7 @@ def model_config() -> ModelConfig:
     return ModelConfig(name=MODEL, block_size=BLOCK_SIZE, hash_algo="sha256", hash_seed=HASH_SEED)
 
 
-def ingest_settings(knobs: HarnessKnobs, *, bind_mode: bool) -> IngestSettings:
+def ingest_settings(knobs: HarnessKnobs, *, listen_replay: str | None) -> IngestSettings:
     return IngestSettings(
         num_workers=1,
         queue_size=knobs.queue_size,
@@ -99,7 +114,7 @@ def ingest_settings(knobs: HarnessKnobs, *, bind_mode: bool) -> IngestSettings:
         hash_check_every=knobs.hash_check_every,
         rcvhwm=knobs.rcvhwm,
         reconnect_ivl_max_ms=knobs.reconnect_ivl_max_ms,
-        listen_replay_template="tcp://{pod}" if bind_mode else None,
+        listen_replay_template=listen_replay,
     )
 
 
@@ -144,7 +159,7 @@ class InprocSubject:
         assert runtime is not None
         # NOTE: the index's own locks (private): a worker that reaches `apply` waits there, as a stalled
         # indexer would; readers (the harness's view) wait too, so views are taken only after `resume`.
-        self._held = [shard.lock for shard in runtime.index._shards]
+        self._held = list(runtime.index._locks)
         for lock in self._held:
             lock.acquire()
         return True
@@ -176,9 +191,19 @@ class InprocSubject:
                 partial_view=status.partial_view,
                 last_seq=status.last_seq,
                 claims=frozenset(claims.get((status.pod, status.dp_rank), ())),
+                detail=status_detail(msgspec.structs.asdict(status)),
             )
             for status in service.pod_statuses()
         }
+
+    def diagnostics(self) -> list[str]:
+        if self.service is None:
+            return ["kvindex is not running"]
+        counters = self.service.counters()
+        return [
+            f"kvindex counters: replays {counters.replays}, dropped {counters.dropped}, gaps {counters.gaps}, "
+            f"history_lost {counters.history_lost}, restarts {counters.restarts}"
+        ]
 
     def close(self) -> None:
         self.resume()
@@ -188,12 +213,16 @@ class InprocSubject:
 # --- a `kvindex serve` subprocess -------------------------------------------------------------------
 
 
-def serve_config(pods: Sequence[PodConfig], listen: Sequence[str], knobs: HarnessKnobs) -> str:
+def serve_config(
+    pods: Sequence[PodConfig], listen: Sequence[str], listen_replay: str | None, knobs: HarnessKnobs
+) -> str:
     """The TOML a `kvindex serve` under test reads (what the in-process settings say, where the file
     has a key for it)."""
     lines = []
     if listen:
-        lines += [f"listen = {json.dumps(list(listen))}", 'listen_replay = "tcp://{pod}"']
+        lines.append(f"listen = {json.dumps(list(listen))}")
+    if listen_replay is not None:
+        lines.append(f"listen_replay = {json.dumps(listen_replay)}")
     lines += [
         "",
         "[[models]]",
@@ -303,9 +332,13 @@ class ProcessSubject(KvindexService):
                 partial_view=bool(row.get("partial_view", False)),
                 last_seq=row.get("last_seq"),
                 claims=frozenset(claims.get((row["pod"], row["dp_rank"]), ())),
+                detail=status_detail(row),
             )
             for row in client.request("GET", "/v1/pods")["pods"]
         }
+
+    def diagnostics(self) -> list[str]:
+        return [] if self.client is not None else ["kvindex serve is not running"]
 
     def close(self) -> None:
         self.resume()
