@@ -90,6 +90,7 @@ class _Run:
         self.notes: list[str] = []
         bind_mode = schedule.mode == "bind"
         ports = PortPool(random.Random())
+        stack.callback(ports.close)  # last: every socket on these ports is closed by then
         hasher = make_hasher()
         prefixes = prefix_pool(schedule.prefix_seed)
         cut = disconnecting_engines(schedule)

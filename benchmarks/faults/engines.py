@@ -7,15 +7,17 @@ The engine's cache is the reference: at quiescence kvindex must hold exactly wha
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import os
 import random
 import selectors
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import zmq
 from kvindex.hashing import BlockHasher
@@ -34,6 +36,7 @@ _REBIND_TIMEOUT_S = 10.0
 # some library binds to port 0 never takes one between our check and our bind.
 _PORT_LOW, _PORT_HIGH = 20_000, 32_000
 LOOPBACK = "127.0.0.1"
+_LOCK_DIR = Path(tempfile.gettempdir()) / "kvindex-faults-ports"
 
 
 def prefix_pool(prefix_seed: int) -> list[list[int]]:
@@ -202,25 +205,51 @@ def make_hasher() -> BlockHasher:
 
 
 class PortPool:
-    """Runs of consecutive free loopback ports (vLLM puts DP rank r at base port + r)."""
+    """Runs of consecutive free loopback ports (vLLM puts DP rank r at base port + r), held until `close`.
+
+    A schedule binds its ports late (a late engine at its start step) and lets them go and takes them
+    again (a restart, a kill -9'd kvindex serve): another schedule running at the same time must not be
+    handed one of them meanwhile, or its sockets would answer this schedule's kvindex. So every port
+    handed out is also locked (an flock on a file named after it, shared by every process on the host)
+    until the pool is closed.
+    """
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
-        self._given: set[int] = set()
+        self._locks: dict[int, int] = {}  # port -> the open lock file's descriptor
+        _LOCK_DIR.mkdir(exist_ok=True)
 
     def run(self, count: int, hosts: Sequence[str] = (LOOPBACK,)) -> int:
         """The first port of `count` consecutive ports that are free now on every one of `hosts` and
-        not handed out before."""
+        locked by no pool."""
         for _ in range(500):
             base = self._rng.randrange(_PORT_LOW, _PORT_HIGH - count)
             ports = range(base, base + count)
-            if self._given.intersection(ports) or not all(
-                _port_is_free(host, port) for host in hosts for port in ports
-            ):
+            if any(port in self._locks for port in ports):
                 continue
-            self._given.update(ports)
-            return base
+            taken = [port for port in ports if self._lock(port)]
+            if len(taken) == count and all(_port_is_free(host, port) for host in hosts for port in ports):
+                return base
+            for port in taken:
+                self._unlock(port)
         raise RuntimeError("no run of free loopback ports found")
+
+    def close(self) -> None:
+        for port in list(self._locks):
+            self._unlock(port)
+
+    def _lock(self, port: int) -> bool:
+        fd = os.open(_LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._locks[port] = fd
+        return True
+
+    def _unlock(self, port: int) -> None:
+        os.close(self._locks.pop(port))  # closing the descriptor drops the lock
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -265,9 +294,9 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 class LinkProxy:
     """A TCP forwarder from `host`:`port` to 127.0.0.1:`target_port`: an engine's network link.
 
-    `cut()` resets every forwarded connection and stops listening, so peers see a dead link and get
-    "connection refused" on every retry; `restore()` listens on the same port again. One thread moves
-    the bytes (non-blocking: a side that stops reading holds back only its own connection).
+    `cut()` resets every forwarded connection, and every connection a peer makes until `restore()`, so
+    peers see a dead link on every retry. The port stays bound meanwhile (nobody else can take it). One
+    thread moves the bytes (non-blocking: a side that stops reading holds back only its own connection).
     """
 
     def __init__(self, port: int, target_port: int, host: str = LOOPBACK) -> None:
@@ -284,6 +313,7 @@ class LinkProxy:
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._running = True
+        self._cut_off = False
         self.accepted = 0  # connections forwarded
         self.refused = 0  # connections closed because nothing listened behind the link
         self._listen()
@@ -295,7 +325,7 @@ class LinkProxy:
         return tcp(self.port, self.host)
 
     def describe(self) -> str:
-        state = "listening" if self._listener is not None else "cut"
+        state = "cut" if self._cut_off else "up"
         alive = "" if self._thread.is_alive() else ", its thread is dead"
         return (
             f"link {self.endpoint} -> :{self.target_port} {state}, {len(self._pairs) // 2} connections, "
@@ -306,7 +336,7 @@ class LinkProxy:
         self._call(self._cut)
 
     def restore(self) -> None:
-        self._call(self._listen)
+        self._call(self._restore)
 
     def close(self) -> None:
         if not self._running:
@@ -329,32 +359,21 @@ class LinkProxy:
         assert done.wait(5), "link proxy thread did not answer"
 
     def _listen(self) -> None:
-        if self._listener is not None:
-            return
-        deadline = time.monotonic() + _REBIND_TIMEOUT_S
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        while True:
-            try:
-                listener.bind((self.host, self.port))
-                break
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    listener.close()
-                    raise
-                time.sleep(0.02)  # ok: waiting for the kernel to release the port
+        listener.bind((self.host, self.port))
         listener.listen(64)
         listener.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ)
         self._listener = listener
 
     def _cut(self) -> None:
-        if self._listener is not None:
-            self._selector.unregister(self._listener)
-            self._listener.close()
-            self._listener = None
+        self._cut_off = True
         for pair in list(self._pairs.values()):
             self._drop(pair)
+
+    def _restore(self) -> None:
+        self._cut_off = False
 
     def _drop(self, pair: _Pair) -> None:
         for sock in (pair.client, pair.upstream):
@@ -371,6 +390,10 @@ class LinkProxy:
         try:
             client, _ = self._listener.accept()
         except BlockingIOError:
+            return
+        if self._cut_off:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            client.close()
             return
         try:
             upstream = socket.create_connection((LOOPBACK, self.target_port), timeout=1.0)

@@ -144,6 +144,24 @@ def test_shrinking_stops_at_its_budget() -> None:
     assert len(calls) == 5 and result.exhausted and len(result.shrunk.steps) > 30
 
 
+def test_port_pools_never_hand_out_the_same_port_while_it_is_held() -> None:
+    """Two schedules running at once (two pools, the same random sequence): the second skips every port
+    the first still holds, and gets them once the first is closed."""
+    first, second = PortPool(random.Random(7)), PortPool(random.Random(7))
+    try:
+        held = {first.run(1) for _ in range(20)}
+        assert len(held) == 20 and not held & {second.run(1) for _ in range(20)}
+        first.close()
+        third = PortPool(random.Random(7))
+        try:
+            assert third.run(1) in held  # released: the same sequence gets its first port again
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_cut_link_carries_nothing_until_it_is_restored(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     ports = PortPool(random.Random())
     pub_port, proxy_port = ports.run(1), ports.run(1)
@@ -166,6 +184,7 @@ def test_a_cut_link_carries_nothing_until_it_is_restored(ctx: zmq.Context[zmq.So
 
     try:
         assert arrives(250), "nothing crossed the link"
+        assert proxy.accepted >= 1
         proxy.cut()
         while sub.poll(50):  # what was in flight before the cut
             sub.recv()
@@ -174,6 +193,7 @@ def test_a_cut_link_carries_nothing_until_it_is_restored(ctx: zmq.Context[zmq.So
         assert arrives(250), "the restored link carried nothing"
     finally:
         proxy.close()
+        ports.close()
         for sock in (pub, sub):
             sock.close(linger=0)
 
