@@ -144,7 +144,7 @@ class InprocSubject:
         assert runtime is not None
         # NOTE: the index's own locks (private): a worker that reaches `apply` waits there, as a stalled
         # indexer would; readers (the harness's view) wait too, so views are taken only after `resume`.
-        self._held = [shard.lock for shard in runtime.index._shards]
+        self._held = list(runtime.index._locks)
         for lock in self._held:
             lock.acquire()
         return True
