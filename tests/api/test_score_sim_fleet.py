@@ -116,7 +116,11 @@ def test_scores_equal_what_each_simulated_engine_holds(
         expected = {pod: run for pod, run in expected.items() if run}
         answers: list[dict[str, object]] = []
 
-        def answered() -> bool:
+        def answered(
+            prompt: list[int] = prompt,
+            expected: dict[str, int] = expected,
+            answers: list[dict[str, object]] = answers,
+        ) -> bool:
             # Awaited, not read once: a probe that rebuilds a pod from its ring clears it and applies the
             # ring in one worker step, and a read can fall between the two (seen once on a loaded box).
             answers.append(asyncio.run(_score(server.url, prompt)))
