@@ -165,7 +165,7 @@ def _configure_logging(level: str) -> None:
 
 def _dialled_hosts(config: ServeConfig) -> list[tuple[str, str, int]]:
     """(who, host, port) of every tcp:// endpoint kvindex dials, for the start-up DNS check."""
-    from kvindex.cli.endpoints import tcp_host_port
+    from kvindex.replay.endpoints import tcp_host_port
 
     targets = []
     for pod in config.pods:

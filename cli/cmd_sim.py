@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from kvindex.cli.endpoints import endpoint_problem
 from kvindex.cli.main import CliError
+from kvindex.replay.endpoints import endpoint_problem
 
 if TYPE_CHECKING:  # the CLI imports every subcommand module: keep ZMQ and aiohttp out of start-up
     from kvindex.sim.engine import SimEngine, SimEngineConfig

@@ -15,10 +15,10 @@ from typing import Annotated, Protocol
 
 import msgspec
 from kvindex.api.settings import ApiKey, ApiSettings, default_tier_weights
-from kvindex.cli.endpoints import endpoint_problem
 from kvindex.hashing.algorithms import HASH_ALGOS
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
+from kvindex.replay.endpoints import endpoint_problem
 from msgspec import Meta
 
 DEFAULT_HTTP = "0.0.0.0:8080"
@@ -572,6 +572,12 @@ def _check_replay_template(template: str) -> None:
     except (IndexError, ValueError) as exc:
         raise ConfigError(f"--listen-replay {template!r} is not a valid template ({exc}); {hint}") from None
     problem = endpoint_problem(filled, dial=True)
+    # A placeholder may carry the port too (pod ids such as `engine-3:5558` with tcp://{pod}): then each
+    # pod's endpoint is checked when it dials in (and said once if it makes none).
+    if problem is not None and ("{pod}" in template or "{model}" in template):
+        carried = template.format(pod="pod:5558", model="model:5558")
+        if endpoint_problem(carried, dial=True) is None:
+            problem = None
     if problem is not None:
         raise ConfigError(f"--listen-replay {template!r} {problem}, e.g. tcp://{{pod}}:5558")
 

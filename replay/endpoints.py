@@ -1,6 +1,7 @@
-"""vLLM's endpoint rules, shared by publishers and subscribers: bind or connect, and the data-parallel
-port offset (rank r of `tcp://host:P` uses `tcp://host:P+r`, for the PUB and the replay socket alike).
-Pure string functions.
+"""vLLM's endpoint rules, shared by publishers and subscribers: bind or connect, the data-parallel port
+offset (rank r of `tcp://host:P` uses `tcp://host:P+r`, for the PUB and the replay socket alike), and the
+syntax of a ZMQ address, checked before any socket exists (libzmq answers a malformed one with `Invalid
+argument`, naming neither the pod nor what was expected). Pure string functions, no name resolution.
 """
 
 from __future__ import annotations
@@ -38,17 +39,50 @@ def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
     raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
 
 
-def endpoint_problem(endpoint: str) -> str | None:
-    """Why `endpoint` is not a ZMQ address kvindex can use (one phrase), or None when it is:
-    tcp://HOST:PORT (PORT a number or `*`), ipc://PATH or inproc://NAME."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc"):
-        return f"{endpoint!r} is not a ZMQ address; expected tcp://HOST:PORT"
-    if scheme != "tcp":
-        return None if rest else f"{endpoint!r} names no {scheme} path"
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        return f"{endpoint!r} has no port; expected tcp://HOST:PORT"
-    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
-        return f"{endpoint!r} has port {port!r}; expected a number from 0 to 65535 or *"
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+EXPECTED = "expected tcp://HOST:PORT"
+
+
+def endpoint_problem(endpoint: str, *, dial: bool) -> str | None:
+    """What is wrong with `endpoint` as a ZMQ address, as the end of a sentence; None if it looks usable.
+
+    `dial`: the endpoint is connected to (a pod's PUB or replay socket), so it needs a concrete host and a
+    port in 1..65535. Otherwise it is bound, so `*` as host, and `*` or 0 as port (ephemeral), are fine too.
+    tcp:// takes ZMQ's optional `SOURCE;` prefix and IPv6 in brackets; ipc:// and inproc:// need a name.
+    """
+    scheme = next((s for s in SCHEMES if endpoint.startswith(s)), None)
+    if scheme is None:
+        return f"is not a ZMQ address; {EXPECTED} (or ipc://PATH, inproc://NAME)"
+    rest = endpoint[len(scheme) :]
+    if scheme != "tcp://":
+        return None if rest else f"names no {scheme[:-3]} path; {EXPECTED} or {scheme}NAME"
+    # ZMQ's `tcp://SOURCE:PORT;HOST:PORT` dials from a given source address: the destination is what counts.
+    address = rest.rpartition(";")[2]
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+    if not sep or not host:
+        return f"has no {'host' if sep else 'port'}; {EXPECTED}"
+    if any(c.isspace() for c in host) or "/" in host:
+        return f"has a malformed host {host!r}; {EXPECTED}"
+    if dial and host == "*":
+        return f"cannot be dialled (`*` binds every interface); give the engine's address, {EXPECTED}"
+    if port == "*" and not dial:
+        return None
+    if not port.isdigit() or int(port) > 65535:
+        return f"has a malformed port {port!r}; {EXPECTED} with a port in 1..65535" + (
+            "" if dial else " (or * for any free port)"
+        )
+    if dial and int(port) == 0:
+        return f"cannot be dialled on port 0; {EXPECTED} with the engine's port"
     return None
+
+
+def tcp_host_port(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) a tcp:// endpoint dials, brackets removed; None for ipc://, inproc:// or a wildcard."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(";")[2].rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or host == "*" or not port.isdigit():
+        return None
+    return host, int(port)

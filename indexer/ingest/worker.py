@@ -287,7 +287,9 @@ class StreamWorker:
             return None
         try:
             endpoint = offset_endpoint_port(template.format(pod=pod_id, model=model), rank)
-            problem = None if endpoint is None else endpoint_problem(endpoint)
+            problem = None if endpoint is None else endpoint_problem(endpoint, dial=True)
+            if problem is not None:
+                problem = f"{endpoint!r} {problem}"
         except (ValueError, KeyError, IndexError) as exc:
             endpoint, problem = None, str(exc)
         if problem is not None or endpoint is None:

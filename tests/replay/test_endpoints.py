@@ -1,11 +1,11 @@
-"""ZMQ endpoint syntax (cli/endpoints.py): what libzmq would refuse, or a dialler could never reach, is
+"""ZMQ endpoint syntax (replay/endpoints.py): what libzmq would refuse, or a dialler could never reach, is
 named before any socket exists; everything libzmq accepts for the use stays accepted."""
 
 from __future__ import annotations
 
 import pytest
 import zmq
-from kvindex.cli.endpoints import endpoint_problem, tcp_host_port
+from kvindex.replay.endpoints import endpoint_problem, tcp_host_port
 
 DIALLED_OK = [
     "tcp://127.0.0.1:5557",
