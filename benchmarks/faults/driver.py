@@ -26,7 +26,6 @@ from benchmarks.faults.engines import (
     LinkProxy,
     PortPool,
     make_hasher,
-    pod_host,
     prefix_pool,
     tcp,
 )
@@ -98,16 +97,11 @@ class _Run:
         for spec in schedule.engines:
             ranks_by_pod[spec.pod] = max(ranks_by_pod.get(spec.pod, 0), spec.rank + 1)
         max_ranks = max(ranks_by_pod.values(), default=1)
-        hosts = {pod: pod_host(index) for index, pod in enumerate(ranks_by_pod)}
-        self.listen: list[str] = []
-        self.listen_replay: str | None = None
-        if bind_mode:
-            # Engines dial kvindex (rank r at listen port + r); kvindex reaches pod P's replay socket at
-            # tcp://P:port (+ r), so the pod id is its loopback host and every pod uses the same port.
-            listen_base = ports.run(max_ranks)
-            self.listen = [tcp(listen_base + r) for r in range(max_ranks)]
-            replay_port = ports.run(max_ranks, hosts=[LOOPBACK, *hosts.values()])
-            self.listen_replay = f"tcp://{{pod}}:{replay_port}"
+        # Bind mode: engines dial kvindex (rank r at listen port + r), and kvindex reaches a pod's replay
+        # socket through the template tcp://{pod} (+ r): the pod id is its replay base address.
+        self.listen_replay = "tcp://{pod}" if bind_mode else None
+        listen_base = ports.run(max_ranks) if bind_mode else 0
+        self.listen = [tcp(listen_base + r) for r in range(max_ranks)] if bind_mode else []
         pub_base = {pod: ports.run(n) for pod, n in ranks_by_pod.items()}
         replay_base = {pod: ports.run(n) for pod, n in ranks_by_pod.items()}
         self.engines: dict[str, FaultEngine] = {}
@@ -117,20 +111,20 @@ class _Run:
         for spec in schedule.engines:
             r = spec.rank
             if bind_mode:
-                pod_id = hosts[spec.pod]
-                pub_port, replay_host, replay_port_r = listen_base + r, pod_id, replay_port + r
+                pod_id = f"{LOOPBACK}:{replay_base[spec.pod]}"
+                pub_port, replay_port = listen_base + r, replay_base[spec.pod] + r
                 if spec.name in cut:
                     # kvindex <- live proxy <- engine's PUB; kvindex -> replay proxy (where kvindex looks
-                    # for the pod's replay socket) -> the engine's ROUTER on 127.0.0.1.
+                    # for the pod's replay socket) -> the engine's ROUTER.
                     live = LinkProxy(ports.run(1), listen_base + r)
-                    replay = LinkProxy(replay_port + r, ports.run(1), host=pod_id)
+                    replay = LinkProxy(replay_port, ports.run(1))
                     self.proxies[spec.name] = [live, replay]
-                    pub_port, replay_host, replay_port_r = live.port, LOOPBACK, replay.target_port
+                    pub_port, replay_port = live.port, replay.target_port
                 engine = FaultEngine(
                     spec,
                     # Base endpoints: the publisher adds the DP rank, as vLLM does.
                     pub_base=tcp(pub_port - r),
-                    replay_base=tcp(replay_port_r - r, replay_host),
+                    replay_base=tcp(replay_port - r),
                     bind_pub=None,  # vLLM's rule: a named host is dialled
                     topic=f"kv@{pod_id}@{MODEL}",
                     prefixes=prefixes,

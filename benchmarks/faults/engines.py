@@ -16,7 +16,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -219,16 +219,15 @@ class PortPool:
         self._locks: dict[int, int] = {}  # port -> the open lock file's descriptor
         _LOCK_DIR.mkdir(exist_ok=True)
 
-    def run(self, count: int, hosts: Sequence[str] = (LOOPBACK,)) -> int:
-        """The first port of `count` consecutive ports that are free now on every one of `hosts` and
-        locked by no pool."""
+    def run(self, count: int) -> int:
+        """The first port of `count` consecutive loopback ports that are free now and locked by no pool."""
         for _ in range(500):
             base = self._rng.randrange(_PORT_LOW, _PORT_HIGH - count)
             ports = range(base, base + count)
             if any(port in self._locks for port in ports):
                 continue
             taken = [port for port in ports if self._lock(port)]
-            if len(taken) == count and all(_port_is_free(host, port) for host in hosts for port in ports):
+            if len(taken) == count and all(_port_is_free(port) for port in ports):
                 return base
             for port in taken:
                 self._unlock(port)
@@ -252,24 +251,17 @@ class PortPool:
         os.close(self._locks.pop(port))  # closing the descriptor drops the lock
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def _port_is_free(port: int) -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind((host, port))
+            sock.bind((LOOPBACK, port))
         except OSError:
             return False
     return True
 
 
-def tcp(port: int, host: str = LOOPBACK) -> str:
-    return f"tcp://{host}:{port}"
-
-
-def pod_host(index: int) -> str:
-    """Bind mode's pod address: pod i is 127.0.0.(i+2), on the loopback interface like 127.0.0.1. kvindex
-    reaches a bind-mode pod's replay socket at `tcp://{pod}:PORT` (+ DP rank), so pods that share a port
-    need their own host, as real pods have."""
-    return f"127.0.0.{index + 2}"
+def tcp(port: int) -> str:
+    return f"tcp://{LOOPBACK}:{port}"
 
 
 # --- a link that can be cut -----------------------------------------------------------------------
@@ -292,15 +284,14 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 class LinkProxy:
-    """A TCP forwarder from `host`:`port` to 127.0.0.1:`target_port`: an engine's network link.
+    """A TCP forwarder from 127.0.0.1:`port` to 127.0.0.1:`target_port`: an engine's network link.
 
     `cut()` resets every forwarded connection, and every connection a peer makes until `restore()`, so
     peers see a dead link on every retry. The port stays bound meanwhile (nobody else can take it). One
     thread moves the bytes (non-blocking: a side that stops reading holds back only its own connection).
     """
 
-    def __init__(self, port: int, target_port: int, host: str = LOOPBACK) -> None:
-        self.host = host
+    def __init__(self, port: int, target_port: int) -> None:
         self.port = port
         self.target_port = target_port
         self._selector = selectors.DefaultSelector()
@@ -322,7 +313,7 @@ class LinkProxy:
 
     @property
     def endpoint(self) -> str:
-        return tcp(self.port, self.host)
+        return tcp(self.port)
 
     def describe(self) -> str:
         state = "cut" if self._cut_off else "up"
@@ -361,7 +352,7 @@ class LinkProxy:
     def _listen(self) -> None:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, self.port))
+        listener.bind((LOOPBACK, self.port))
         listener.listen(64)
         listener.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ)
