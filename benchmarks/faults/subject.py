@@ -281,7 +281,8 @@ class ProcessSubject(KvindexService):
             "--config",
             str(config_path),
         ]
-        command += ["--log-level", "warning"]
+        # KVINDEX_FAULTS_LOG=info and KVINDEX_FAULTS_LOG_DUMP=FILE keep a failing schedule's serve log.
+        command += ["--log-level", os.environ.get("KVINDEX_FAULTS_LOG", "warning")]
         self._process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=self._log, env=dict(os.environ, PYTHONUNBUFFERED="1")
         )
@@ -342,4 +343,9 @@ class ProcessSubject(KvindexService):
 
     def close(self) -> None:
         self.resume()
+        dump = os.environ.get("KVINDEX_FAULTS_LOG_DUMP")
+        if dump and self._log is not None:
+            self._log.seek(0)
+            with open(dump, "ab") as out:
+                out.write(self._log.read())
         self.stop()

@@ -92,22 +92,19 @@ class Intake:
                 stream.ever_connected = True
                 stream.forgotten = False
                 stream.connected_at = time.monotonic()
-                stream.active_since_probe = True
                 self.submit(stream.ref.pod_id, ControlItem("reconnect", stream.ref), force=True)
             return
-        # Bind mode: ZMQ does not say which engine came or went. Asking every stream's ring at each
-        # connection would cost O(streams) replays per engine (O(streams^2) for a rolling restart), so
-        # every stream stops trusting unexplained seqs, and the quiet ones are probed once.
+        # Bind mode: ZMQ does not say which engine came or went, and a fresh engine's first burst may
+        # reach nobody (its PUB drops until our subscription arrives). So every stream stops trusting
+        # unexplained seqs and is probed once it has been quiet for quiet_probe_after_s after this
+        # connection: connections that come closer together than that share one probe per stream.
         if event == "connected":
             self.listen_peers += 1
             now = time.monotonic()
-            quiet_s = self._settings.quiet_probe_after_s
             for bound in self._streams.bound():
                 bound.forgotten = False
                 bound.connected_at = now
                 bound.tracker.mark_unverified()  # a flag the worker reads next: no lock needed
-                if now - bound.last_probe_at >= quiet_s:  # once per quiet period, however many connect
-                    bound.active_since_probe = True
         else:
             self.listen_peers = max(0, self.listen_peers - 1)
             if self.listen_peers == 0:

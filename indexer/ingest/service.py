@@ -342,16 +342,15 @@ class IngestService:
                     continue
                 if tracker.awaiting is not None:
                     continue
-                heard = stream.last_live_at if stream.last_live_at is not None else stream.connected_at
-                if stream.active_since_probe and heard is not None and now - heard >= quiet_s:
-                    stream.active_since_probe = False
-                    self._probe(stream)
+                heard = stream.last_activity_at()
+                if heard is not None and heard > stream.last_probe_at and now - heard >= quiet_s:
+                    self._probe(stream, now)
                 elif tracker.needs_check and now >= stream.next_check_at:
                     stream.check_interval_s = min(
                         _MAX_CHECK_INTERVAL_S, max(quiet_s, 2 * stream.check_interval_s)
                     )
                     stream.next_check_at = now + stream.check_interval_s
-                    self._probe(stream)
+                    self._probe(stream, now)
 
     def _log_transition(self, stream: Stream, old: str | None, new: str, now: float) -> None:
         """Once per state change: WARNING for every state but live (INFO), with the likely cause."""
@@ -373,6 +372,7 @@ class IngestService:
             f" ({cause})" if cause else "",
         )
 
-    def _probe(self, stream: Stream) -> None:
-        stream.last_probe_at = time.monotonic()
+    def _probe(self, stream: Stream, now: float) -> None:
+        # `now` was read before the stream's timestamps: activity stamped after it is probed again.
+        stream.last_probe_at = now
         self._intake.submit(stream.ref.pod_id, ControlItem("probe", stream.ref), force=True)

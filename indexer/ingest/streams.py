@@ -74,8 +74,9 @@ class Stream:
         self.forgotten = False
         # The state last logged (transitions are logged once each by the watch thread).
         self.logged_state: str | None = None
-        # Heard from (or connected) since the last probe: probe it once it has been quiet a while.
-        self.active_since_probe = False
+        # When the watch last asked for a probe. Heard from or connected after it: probe it once it has
+        # been quiet a while (timestamps, not a flag the watch clears, so a connection that lands while
+        # a probe is being asked is never lost).
         self.last_probe_at = 0.0
         # While its checks go unanswered (tracker.needs_check): when to probe next, and the interval.
         self.next_check_at = 0.0
@@ -92,6 +93,13 @@ class Stream:
         self.hash_mismatches_total = 0
         self.hash_mismatch = False
         self.logged: set[str] = set()
+
+    def last_activity_at(self) -> float | None:
+        """The newest of its last live message and its last connection (None: neither yet)."""
+        live, connected = self.last_live_at, self.connected_at
+        if live is None or connected is None:
+            return connected if live is None else live
+        return max(live, connected)
 
     def new_tracker(self) -> SequenceTracker[TrackedBatch]:
         """A fresh sequence tracker for this stream (at creation, and when its past is let go)."""

@@ -135,7 +135,6 @@ class StreamWorker:
             if stream.model != item.model:
                 self._switch_model(stream, item.model, acc)
         stream.last_live_at = time.monotonic()
-        stream.active_since_probe = True
         actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload), len(item.payload))
         if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
             self._apply(stream, actions[0].seq, actions[0].item, acc)

@@ -11,6 +11,8 @@ from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig
 from waiting import wait_for
 
+from benchmarks.faults.engines import LinkProxy
+
 MODELS = [ModelConfig(name="m"), ModelConfig(name="org/model@v2")]
 
 
@@ -185,3 +187,40 @@ def test_a_single_listen_string_is_one_endpoint() -> None:
         assert service.listen == ("tcp://127.0.0.1:*",)
     finally:
         service.stop()
+
+
+def test_a_restart_right_after_a_probe_whose_burst_reaches_nobody_is_recovered(engines: list[Engine]) -> None:
+    """The engine restarts just after kvindex probed it, bursts while its link is down (all of it lost)
+    and goes quiet once the link is back. Only its ring knows: the new connection must lead to a probe,
+    however recent the last one was (it was skipped, and the old incarnation's blocks stayed claimed)."""
+    settings = IngestSettings(quiet_probe_after_s=1.0, listen_replay_template="tcp://127.0.0.1:{pod}")
+    service = IngestService(MODELS, listen="tcp://127.0.0.1:*", settings=settings)
+    service.start()
+    listen = service.listen_endpoint
+    assert listen is not None
+    link = LinkProxy(free_port(), int(listen.rsplit(":", 1)[1]))
+    try:
+        port = free_port()
+        engine = Engine(
+            str(port), endpoint=link.endpoint, replay_endpoint=f"tcp://127.0.0.1:{port}", topic=f"kv@{port}@m"
+        )
+        engines.append(engine)
+        publish_until_seen(service, engine)
+        for _ in range(8):
+            engine.store_prompt()
+        engine.flush()
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, [engine]), what="the first incarnation indexed")
+        probes = service.counters().replays.get("ok", 0)
+        wait_for(lambda: service.counters().replays.get("ok", 0) > probes, what="the quiet probe")
+        link.cut()
+        engine.restart()
+        for _ in range(3):
+            engine.store_prompt()
+        engine.flush()
+        link.restore()
+        wait_for(lambda: index_matches(index, [engine]), what="the new incarnation, from its ring")
+        assert status_of(service, engine).restarts_total == 1
+    finally:
+        service.stop()
+        link.close()
