@@ -246,7 +246,9 @@ class SequenceTracker(Generic[T]):
                 self._verified = True
             elif items:
                 # The ring no longer holds last_applied, so nothing proves these batches come from the
-                # engine we were following: treat the gap as lost history.
+                # engine we were following: treat the gap as lost history. Nor does anything prove whose
+                # the held live batches below the ring's oldest are (a restarted engine's ring starts
+                # past them too): they are let go rather than stitched onto the ring's run.
                 unverified = True
             else:
                 # The ring's newest seq is below what we applied: a new engine.
@@ -296,7 +298,10 @@ class SequenceTracker(Generic[T]):
         """Let go of held live batches the answering engine cannot have sent. Its own batches are in its
         ring with the ring's digest, or continue the ring's newest seq without a hole; anything else is
         a previous engine's, still queued behind the new connection (ZMQ reports a reconnection before
-        the old connection's last messages are read) and must not be stitched onto the new stream."""
+        the old connection's last messages are read) and must not be stitched onto the new stream.
+        Held batches older than the ring's oldest (and newer than last_applied) are let go too: nothing
+        proves whose they are, and a restarted engine's ring starts past them just as an overflowed one
+        does (seed 101634 applied a dead engine's last batches, run without a hole into the new ring)."""
         if ring:
             newest = ring[-1].seq
         elif start_seq == 0:
@@ -305,10 +310,11 @@ class SequenceTracker(Generic[T]):
             return  # nothing at or after start_seq: the caller decides (a restart, asked again from 0)
         digests = {r.seq: r.digest for r in ring}
         expected = newest + 1
+        last = self.last_applied
         for seq in sorted(self._held):
             if seq <= newest:
                 known = digests.get(seq)
-                if known is None or known == self._held[seq][1]:
+                if known == self._held[seq][1] or (known is None and last is not None and seq <= last):
                     continue
             elif seq == expected:
                 expected += 1

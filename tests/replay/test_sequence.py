@@ -415,3 +415,42 @@ def test_an_old_engines_batches_queued_behind_the_reconnection_are_not_stitched_
     assert driver.clears == ["restart"]
     assert driver.view == [*new, (1, 3)]
     assert driver.tracker.num_restarts == 1 and not driver.tracker.resyncing
+
+
+def test_held_batches_below_an_unprovable_ring_are_not_stitched_onto_it() -> None:
+    """The engine restarts while a gap replay is out, and its new ring (3 batches) starts past what we
+    applied, so nothing proves whose the held live batches are. The old engine's seqs 3..6 were held and
+    run without a hole into the new ring's 7..9: they must not be applied (found by the fault harness,
+    seed 101634: the dead engine's blocks claimed, state resyncing)."""
+    engine, driver = started(buffer_steps=3)
+    for _ in range(3):
+        driver.live(engine.publish())  # (0, 0..2) applied
+    old_tail = [engine.publish() for _ in range(4)]  # (0, 3..6)
+    tracker = driver.tracker
+    gap = tracker.on_live(old_tail[1][1], old_tail[1], digest(*old_tail[1]))  # 4 first: a gap from 2
+    assert gap == [FetchReplay(2, "gap")]
+    for item in (old_tail[0], old_tail[2], old_tail[3]):
+        assert tracker.on_live(item[1], item, digest(*item)) == []  # held while the replay is out
+    engine.restart()
+    new = [engine.publish() for _ in range(10)]  # (1, 0..9); the ring keeps 7..9
+    driver.view.clear()
+    driver.run(gap)  # answered by the new engine
+    assert driver.clears == ["history_lost"]
+    assert driver.view == new[7:]
+    assert tracker.resyncing
+
+
+def test_a_join_answered_by_a_restarted_engine_leaves_the_old_engines_held_batches_out() -> None:
+    """Joining (nothing applied yet), the old engine's last batches 5..6 are held; the engine restarts and
+    its ring (3 batches) holds 7..9, run on from them without a hole. The join applies the ring's only."""
+    engine = Engine(buffer_steps=3)
+    driver = Driver(engine)
+    old = [engine.publish() for _ in range(7)]  # (0, 0..6)
+    join = driver.tracker.begin_join()
+    for item in old[5:]:
+        assert driver.tracker.on_live(item[1], item, digest(*item)) == []  # held while the join is out
+    engine.restart()
+    new = [engine.publish() for _ in range(10)]  # (1, 0..9); the ring keeps 7..9
+    driver.run(join)
+    assert driver.view == new[7:]
+    assert driver.tracker.partial_view
