@@ -24,6 +24,10 @@ MAX_REPLAY_ATTEMPTS = 5
 # replay that succeeds brings them back from the ring, which holds vLLM's last 10,000 batches by default).
 MAX_HELD = 10_000
 MAX_HELD_BYTES = 64 << 20
+# A (re)connection's check compares the ring with what we applied from this many batches before our last
+# seq: the poller may hand over a new connection's first batches before its monitor event, and a restarted
+# engine whose first batches were lost can deliver exactly our next seq.
+CHECK_MARGIN = 8
 
 ClearReason = Literal["restart", "history_lost", "resync"]
 ReplayPurpose = Literal["join", "gap", "verify", "reconnect", "probe"]
@@ -115,6 +119,12 @@ class SequenceTracker(Generic[T]):
         self._recheck = False
         # The ring no longer starts at seq 0 for this engine: a whole-history resync cannot succeed.
         self._ring_overflowed = False
+        # Since a (re)connection: the seq from which the ring must still be compared with what we applied
+        # (None: nothing to check). Connections are counted so an answer to a request sent before the
+        # latest one does not clear the check it could not make.
+        self._check_from: int | None = None
+        self._connections = 0
+        self._fetch_connections = 0
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -132,24 +142,33 @@ class SequenceTracker(Generic[T]):
         if not self.joined:
             return [self._fetch(0, "join")]
         flagged = (self.partial_view or self.resyncing) and not self._ring_overflowed
-        start = 0 if self.last_applied is None or flagged else self.last_applied
+        start = 0 if self.last_applied is None or flagged else self._check_start(self.last_applied)
         return [self._fetch(start, "probe")]
 
     def on_reconnect(self) -> list[Action[T]]:
         """The transport (re)connected: the engine behind it may be a new process. Check the ring."""
-        self._verified = False
+        self.mark_unverified()
         if self.awaiting is not None:
             self._recheck = True
             return []
         if not self.joined:
             return [self._fetch(0, "join")]
-        return [self._fetch(0 if self.last_applied is None else self.last_applied, "reconnect")]
+        return [
+            self._fetch(0 if self.last_applied is None else self._check_start(self.last_applied), "reconnect")
+        ]
 
     def mark_unverified(self) -> None:
         """A connection came that may or may not be this stream's engine (bind mode: ZMQ does not say
         which peer connected): nothing is asked now, but the next seq that is not the expected one is
-        checked against the ring rather than trusted."""
+        checked against the ring rather than trusted, and the next check (a gap, a verify, the quiet
+        probe) compares the ring from a little before the seq we had applied: a restarted engine whose
+        first batches were lost may have delivered exactly our next seq."""
         self._verified = False
+        self._connections += 1
+        last = self.last_applied
+        if last is not None:
+            point = max(0, last - CHECK_MARGIN)
+            self._check_from = point if self._check_from is None else min(self._check_from, point)
 
     def on_live(self, seq: int, item: T, digest: int, size: int = 0) -> list[Action[T]]:
         """A live batch; `size` (its payload bytes) bounds what is held while a replay is out."""
@@ -169,14 +188,14 @@ class SequenceTracker(Generic[T]):
                 actions: list[Action[T]] = [self._restart()]
                 return actions + self.on_live(seq, item, digest, size)
             self._hold(seq, item, digest, size)
-            return [self._fetch(last, "verify")]
+            return [self._fetch(self._check_start(last), "verify")]
         expected = 0 if last is None else last + 1
         if seq == expected:
             self._mark_applied(seq, digest)
             return [Apply(seq, item)]
         self.num_gaps += 1
         self._hold(seq, item, digest, size)
-        return [self._fetch(expected if last is None else last, "gap")]
+        return [self._fetch(expected if last is None else self._check_start(last), "gap")]
 
     def on_replay(self, replayed: Sequence[ReplayedItem[T]], complete: bool) -> list[Action[T]]:
         """The reply to the last FetchReplay: `replayed` in seq order, `complete` = end marker seen.
@@ -197,7 +216,8 @@ class SequenceTracker(Generic[T]):
         actions = self._settle(request, replayed, proven=True)
         if self._recheck and self.awaiting is None:
             self._recheck = False
-            actions.append(self._fetch(0 if self.last_applied is None else self.last_applied, "reconnect"))
+            last = self.last_applied
+            actions.append(self._fetch(0 if last is None else self._check_start(last), "reconnect"))
         return actions
 
     def on_replay_unavailable(self) -> list[Action[T]]:
@@ -226,6 +246,15 @@ class SequenceTracker(Generic[T]):
             self._drop_foreign_held(items, request.start_seq)
         last = self.last_applied
         actions: list[Action[T]] = []
+        if proven and last is not None:
+            # Every batch the ring shares with what we applied must be the same batch: one that is not
+            # is another engine's (a restart), whatever the seqs.
+            recent = self._recent
+            if any(recent.get(r.seq, r.digest) != r.digest for r in items if r.seq <= last):
+                return [self._restart(), self._fetch(0, "join")]
+            if self._check_from is not None and self._connections == self._fetch_connections:
+                if request.start_seq <= self._check_from or not items or items[0].seq > self._check_from:
+                    self._check_from = None  # compared as far back as the ring goes
         if proven and request.start_seq == 0 and last is not None:
             if items and items[0].seq == 0:
                 if self.partial_view or self.resyncing:
@@ -239,10 +268,8 @@ class SequenceTracker(Generic[T]):
                 items = [r for r in items if r.seq >= last]
         unverified = False
         if last is not None and proven:
-            if items and items[0].seq == last:
-                if items[0].digest != self._recent.get(last, items[0].digest):
-                    return [self._restart(), self._fetch(0, "join")]
-                items = items[1:]
+            if items and items[0].seq <= last:
+                items = [r for r in items if r.seq > last]
                 self._verified = True
             elif items:
                 # The ring no longer holds last_applied, so nothing proves these batches come from the
@@ -333,12 +360,18 @@ class SequenceTracker(Generic[T]):
             self._held_bytes -= self._held_sizes.pop(oldest)
             self.num_held_dropped += 1
 
+    def _check_start(self, last: int) -> int:
+        """Where a replay from `last` starts: earlier while a connection's check is due."""
+        return last if self._check_from is None else min(last, self._check_from)
+
     def _fetch(self, start_seq: int, purpose: ReplayPurpose) -> FetchReplay:
         self.awaiting = FetchReplay(start_seq, purpose)
+        self._fetch_connections = self._connections
         return self.awaiting
 
     def _reset_view(self) -> None:
         self.last_applied = None
+        self._check_from = None
         self.resyncing = False
         self.partial_view = False
         self._recent.clear()

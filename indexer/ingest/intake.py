@@ -104,7 +104,9 @@ class Intake:
             for bound in self._streams.bound():
                 bound.forgotten = False
                 bound.connected_at = now
-                bound.tracker.mark_unverified()  # a flag the worker reads next: no lock needed
+                # Through the pod's queue: the tracker is the worker's alone, and it takes the mark in
+                # order with the stream's messages.
+                self.submit(bound.ref.pod_id, ControlItem("unverified", bound.ref), force=True)
         else:
             self.listen_peers = max(0, self.listen_peers - 1)
             if self.listen_peers == 0:

@@ -24,7 +24,7 @@ class LiveItem(msgspec.Struct, frozen=True):
     payload: bytes
 
 
-ControlKind = Literal["join", "probe", "reconnect", "forget"]
+ControlKind = Literal["join", "probe", "reconnect", "forget", "unverified"]
 
 
 class ControlItem(msgspec.Struct, frozen=True):

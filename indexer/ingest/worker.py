@@ -153,6 +153,8 @@ class StreamWorker:
             self._perform(stream, stream.tracker.begin_probe(), acc)
         elif item.kind == "forget":
             self._forget(stream, acc)
+        elif item.kind == "unverified":
+            stream.tracker.mark_unverified()
         elif item.kind == "reconnect":
             # Asked once the new connection's subscription has had time to take effect, so the ring's
             # answer and the live stream overlap instead of leaving a hole between them.

@@ -454,3 +454,30 @@ def test_a_join_answered_by_a_restarted_engine_leaves_the_old_engines_held_batch
     driver.run(join)
     assert driver.view == new[7:]
     assert driver.tracker.partial_view
+
+
+def test_a_restart_whose_first_surviving_batch_is_our_next_seq_is_caught_by_the_connections_check() -> None:
+    """Bind mode: the restarted engine's seqs 0..3 reached nobody and its seq 4 is exactly the next one we
+    expect, so it is applied; the probe after the connection compares the ring from before our last seq
+    and finds other batches there (found by the fault harness, seed 100039: the dead engine's blocks
+    claimed, state live)."""
+    engine, driver = started()
+    for _ in range(4):
+        driver.live(engine.publish())  # (0, 0..3)
+    engine.restart()
+    for _ in range(4):
+        engine.publish()  # (1, 0..3): lost
+    driver.tracker.mark_unverified()  # the connection
+    driver.live(engine.publish())  # (1, 4)
+    driver.run(driver.tracker.begin_probe())
+    assert driver.clears == ["restart"]
+    assert driver.view == [(1, s) for s in range(5)]
+    # The same engine: the probe's wider comparison changes nothing, and the next probe is plain again.
+    engine2, same = started()
+    for _ in range(12):
+        same.live(engine2.publish())
+    same.tracker.mark_unverified()
+    same.live(engine2.publish())
+    same.run(same.tracker.begin_probe())
+    assert same.clears == [] and same.fetches[-1] == FetchReplay(3, "probe")
+    assert same.tracker.begin_probe() == [FetchReplay(12, "probe")]
