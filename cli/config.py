@@ -461,6 +461,16 @@ def parse_pod_flag(text: str) -> PodFlag:
     )
 
 
+class ModelFlags(Protocol):
+    """The model flags `kvindex serve` and `kvindex sidecar` share (None when not given)."""
+
+    config: str | None
+    model: str | None
+    block_size: int | None
+    hash_algo: str | None
+    hash_seed: str | None
+
+
 class ServeArgs(Protocol):
     """The flags `cmd_serve.configure` defines, as argparse leaves them: None when not given."""
 
@@ -655,7 +665,7 @@ def _check_snapshot_template(template: str) -> None:
 
 
 def _merge_models(
-    sections: Sequence[_ModelSection], args: ServeArgs, env: Mapping[str, str]
+    sections: Sequence[_ModelSection], args: ModelFlags, env: Mapping[str, str]
 ) -> tuple[list[ModelConfig], dict[str, str]]:
     env_seed = env.get("PYTHONHASHSEED")
     by_name: dict[str, _ModelSection] = {}
@@ -684,7 +694,7 @@ def _merge_models(
     return [_model_config(section, env_seed) for section in by_name.values()], seed_sources
 
 
-def _with_model_flags(section: _ModelSection, args: ServeArgs) -> _ModelSection:
+def _with_model_flags(section: _ModelSection, args: ModelFlags) -> _ModelSection:
     return msgspec.structs.replace(
         section,
         block_size=args.block_size if args.block_size is not None else section.block_size,
@@ -795,3 +805,14 @@ def _merge_pods(
             snapshot_url=entry.snapshot,
         )
     return list(by_stream.values()), sources
+
+
+def build_sidecar_model(args: ModelFlags, env: Mapping[str, str]) -> ModelConfig:
+    """The one model a sidecar's engine serves: `--model` (required) with the hash flags, over that
+    model's `[[models]]` entry in `--config` (the same file `kvindex serve` reads); PYTHONHASHSEED as the
+    default seed, exactly as for serve."""
+    if args.model is None:
+        raise ConfigError("--model NAME is required: the model the engine serves")
+    file = load_config_file(args.config) if args.config else _ConfigFile()
+    models, _ = _merge_models(file.models, args, env)
+    return next(model for model in models if model.name == args.model)
