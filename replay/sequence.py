@@ -230,6 +230,13 @@ class SequenceTracker(Generic[T]):
             return []
         return self._settle(request, [], proven=False)
 
+    def begin_snapshot_check(self) -> list[Action[T]]:
+        """Load the snapshot now (the shell saw a sign the source's view changed: an AllBlocksCleared
+        from a sidecar, which may be its own after it lost history), unless a request is out."""
+        if not self.snapshot or self.awaiting is not None or not self.joined:
+            return []
+        return [self._fetch_snapshot("resync")]
+
     def on_snapshot(self, seq: int | None, *, partial: bool = False) -> list[Action[T]]:
         """The shell replaced the stream's entries with a snapshot reflecting every batch up to `seq`
         (None: none yet). Held batches after it follow; a hole before them is replayed from `seq`.

@@ -66,6 +66,8 @@ class Relay:
         # rank -> the downstream seq of the newest batch handed to its publisher (None: none yet).
         self._seqs: dict[int, int | None] = {rank: None for rank in self._publishers}
         self.counts: dict[int, RankCounts] = {rank: RankCounts() for rank in self._publishers}
+        # rank -> the engine stream was flagged (partial) at the last batch or clear forwarded.
+        self._flagged: dict[int, bool] = {rank: False for rank in self._publishers}
 
     # -- BatchObserver (on the pod's ingest worker thread) ---------------------------------------
 
@@ -74,10 +76,15 @@ class Relay:
         publisher = self._publishers.get(rank)
         if publisher is None:
             return  # a rank this sidecar was not given an engine for
+        if self._partial_of(rank) and not self._flagged[rank]:
+            # The engine stream became partial without a clear (joined after the engine's ring lost
+            # its start): a clear first tells consumers to check the snapshot, which says partial.
+            self.on_clear(ref, "history_lost")
         with self._lock:
             self._publish(rank, publisher, payload)
             self._blocks.rank(rank).apply(events)
             self.counts[rank].batches_forwarded += 1
+            self._flagged[rank] = self._partial_of(rank)
 
     def on_clear(self, ref: PodRef, reason: ObservedClear) -> None:
         rank = ref.dp_rank
@@ -96,6 +103,7 @@ class Relay:
             self._publish(rank, publisher, payload)
             self._blocks.rank(rank).clear()
             counts.clears_emitted += 1
+            self._flagged[rank] = self._partial_of(rank)
         log.info(
             "pod %s rank %d: engine stream cleared (%s): AllBlocksCleared downstream",
             ref.pod_id,

@@ -82,6 +82,7 @@ class SidecarService:
                     buffer_steps=settings.buffer_steps,
                     dp_rank=rank,
                     bind=settings.publish_bind,
+                    hwm=settings.hwm,
                     ctx=self._ctx,
                     # The block set already holds a batch the queue refuses: wait rather than drop.
                     publish_timeout_s=30.0,
@@ -105,6 +106,7 @@ class SidecarService:
             # The engine's block set is the product: never dropped for a long outage.
             forget_after_s=float("inf"),
             disconnected_grace_s=float("inf"),
+            reconnect_ivl_max_ms=settings.reconnect_ivl_max_ms,
         )
         self.ingest = IngestService(
             [model], self._pods, settings=ingest_settings, release_heap=release_heap, observer=self.relay
@@ -131,8 +133,7 @@ class SidecarService:
         return next((s for s in self.ingest.pod_statuses() if s.dp_rank == rank), None)
 
     def _partial_of(self, rank: int) -> bool:
-        status = self._stream(rank)
-        return status is not None and (status.partial_view or status.state == "resyncing")
+        return self.ingest.view_flagged(PodRef(self.settings.pod_id, rank))
 
     def _hash_counts_of(self, rank: int) -> tuple[int, int]:
         return self.ingest.hash_check_counts(PodRef(self.settings.pod_id, rank))

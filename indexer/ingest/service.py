@@ -299,6 +299,11 @@ class IngestService:
             disconnected_for_s=now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
         )
 
+    def view_flagged(self, ref: PodRef) -> bool:
+        """Whether the stream `ref`'s view may miss history (partial_view or resyncing); cheap."""
+        stream = self._streams.get(ref)
+        return stream is not None and (stream.tracker.partial_view or stream.tracker.resyncing)
+
     def hash_check_counts(self, ref: PodRef) -> tuple[int, int]:
         """(BlockStored events hash-checked, mismatches found) on the stream `ref`; (0, 0) if unknown."""
         stream = self._streams.get(ref)

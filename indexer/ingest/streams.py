@@ -80,6 +80,8 @@ class Stream:
         # The sidecar_id of the last snapshot loaded (a new one: the sidecar restarted).
         self.snapshot_id: str | None = None
         self.snapshots_loaded = 0
+        # An AllBlocksCleared arrived from the sidecar: load its snapshot (for its partial flag) next.
+        self.snapshot_check_due = False
         # Connect mode: kvindex dials this stream's own SUB (its link state is this stream's). Bind mode:
         # the engine dialled a shared bound SUB, and ZMQ does not say which engine a link event is for.
         self.connect_mode = connect_mode

@@ -156,6 +156,8 @@ class StreamWorker:
             self._perform(stream, actions, acc)
         else:
             self._sync_counts(stream)  # a duplicate, or held while a replay is out
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
 
     def _handle_control(self, item: ControlItem, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)
@@ -277,6 +279,8 @@ class StreamWorker:
             else []
         )
         self._perform(stream, stream.tracker.on_replay(replayed, result.complete), acc)
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
 
     def _handle_snapshot_done(self, item: SnapshotDone, acc: _Accumulator) -> None:
         """Replace the stream's entries with its sidecar's snapshot and go on after the snapshot's seq;
@@ -322,7 +326,10 @@ class StreamWorker:
         stream.snapshot_id = new_id
         stream.snapshots_loaded += 1
         self._counters.add_to("snapshots", "ok")
+        stream.snapshot_check_due = False  # this load is the check; clears it applies may ask again
         self._perform(stream, stream.tracker.on_snapshot(rank.seq, partial=rank.partial), acc)
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
 
     def _load_snapshot(self, stream: Stream, rank: RankSnapshot) -> None:
         """The stream's entries become the snapshot's blocks (a block held n times is stored n times)."""
@@ -425,6 +432,13 @@ class StreamWorker:
             for reason, n in decoded.dropped.items():
                 self._counters.add_to("dropped", reason, n)
         return decoded, payload
+
+    def _check_snapshot(self, stream: Stream, acc: _Accumulator) -> None:
+        """An AllBlocksCleared came from a sidecar: load its snapshot once nothing else is outstanding."""
+        actions = stream.tracker.begin_snapshot_check()
+        if actions:
+            stream.snapshot_check_due = False
+            self._perform(stream, actions, acc)
 
     def _perform(
         self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator, *, delay_s: float = 0.0
@@ -571,11 +585,14 @@ class StreamWorker:
                 acc.cleared += 1
                 cleared = True
             kept.append(event)
-        if self._observer is not None:
-            self._observer.on_batch(stream.ref, seq, payload, kept[first_kept:])
         if cleared:
             self._flush(stream, acc)
             stream.tracker.view_complete()
+            # From a sidecar, a clear may be its own (the engine restarted, or its history was lost
+            # before the sidecar saw it): its snapshot says whether the sidecar's view is whole.
+            stream.snapshot_check_due = stream.snapshot_url is not None
+        if self._observer is not None:  # after view_complete: the observer reads the stream's flags
+            self._observer.on_batch(stream.ref, seq, payload, kept[first_kept:])
 
     def _flush(self, stream: Stream, acc: _Accumulator) -> None:
         events = acc.pending.pop(stream, None)
