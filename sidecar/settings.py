@@ -35,6 +35,9 @@ class SidecarSettings(msgspec.Struct, frozen=True):
     # Overrides vLLM's bind-or-connect rule for `publish` (None: the rule decides); for a sidecar that must
     # bind a fixed loopback address again, as a restarted one taking over its predecessor's.
     publish_bind: bool | None = None
+    hwm: int = 100_000  # the downstream PUB's SNDHWM (vLLM's KVEventsConfig.hwm)
+    # The engine link's ZMQ reconnection backoff cap (a restarted engine is redialled within it).
+    reconnect_ivl_max_ms: int = 5_000
     # The engine link: a short quiet-probe keeps a lost engine batch from waiting long downstream.
     quiet_probe_after_s: float = 1.0
     replay_timeout_s: float = 2.0
