@@ -15,11 +15,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
-from kvindex.indexer.events import KVEvent, PodRef
+from kvindex.hashing import BlockHasher
+from kvindex.indexer.decode import DecodeError, decode_batch
+from kvindex.indexer.events import PREFIX_SPEC_KINDS, BlocksRemoved, BlocksStored, KVEvent, PodRef
+from kvindex.indexer.hash_check import diagnose_mismatch
 from kvindex.indexer.ingest.observer import ObservedClear
+from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.snapshot import SNAPSHOT_SCHEMA, PodSnapshot, RankSnapshot
 from kvindex.replay.publisher import EventPublisher, encode_batch
 from kvindex.replay.wire import AllBlocksCleared, KVEventBatch
+from kvindex.sidecar.hash_check import RankHashCheck
 from kvindex.sidecar.state import PodBlocks
 
 log = logging.getLogger("kvindex.sidecar")
@@ -40,27 +45,29 @@ class Relay:
 
     `publishers`: rank -> the downstream publisher for that rank (its seq is the rank's downstream seq).
     `partial_of(rank)`: whether the engine stream of that rank is flagged (joined after its ring lost
-    history, or resyncing); read when a snapshot is taken.
+    history, or resyncing); read when a snapshot is taken. Every forwarded batch is hash-checked in full
+    (sidecar/hash_check.py) against `model`'s settings.
     """
 
     def __init__(
         self,
         pod_id: str,
-        model: str,
-        block_size: int,
+        model: ModelConfig,
         publishers: Mapping[int, EventPublisher],
         *,
         sidecar_id: str,
         partial_of: Callable[[int], bool],
-        hash_counts_of: Callable[[int], tuple[int, int]],
     ) -> None:
         self.pod_id = pod_id
-        self.model = model
-        self.block_size = block_size
+        self.model = model.name
+        self.block_size = model.block_size
         self.sidecar_id = sidecar_id
+        self._config = model
         self._publishers = dict(publishers)
         self._partial_of = partial_of
-        self._hash_counts_of = hash_counts_of
+        hasher = BlockHasher(algo=model.hash_algo, block_size=model.block_size, seed=model.hash_seed)
+        self.hash_checks = {rank: RankHashCheck(hasher) for rank in self._publishers}
+        self._mismatch_logged = False
         self._lock = threading.Lock()
         self._blocks = PodBlocks()
         # rank -> the downstream seq of the newest batch handed to its publisher (None: none yet).
@@ -76,6 +83,7 @@ class Relay:
         publisher = self._publishers.get(rank)
         if publisher is None:
             return  # a rank this sidecar was not given an engine for
+        self._check_hashes(ref, seq, payload, events)
         if self._partial_of(rank) and not self._flagged[rank]:
             # The engine stream became partial without a clear (joined after the engine's ring lost
             # its start): a clear first tells consumers to check the snapshot, which says partial.
@@ -102,6 +110,7 @@ class Relay:
         with self._lock:
             self._publish(rank, publisher, payload)
             self._blocks.rank(rank).clear()
+            self.hash_checks[rank].clear()
             counts.clears_emitted += 1
             self._flagged[rank] = self._partial_of(rank)
         log.info(
@@ -110,6 +119,33 @@ class Relay:
             rank,
             reason,
         )
+
+    def _check_hashes(self, ref: PodRef, seq: int, payload: bytes, kept: Sequence[KVEvent]) -> None:
+        """Recompute every prefix-group BlockStored of the batch from its token ids (the ingest decode
+        skipped them, so the payload is decoded again in full when it stores anything)."""
+        check = self.hash_checks[ref.dp_rank]
+        if not any(type(e) is BlocksStored for e in kept):
+            check.apply(kept)  # removals and clears only: nothing to recompute
+            return
+        try:
+            full = decode_batch(payload).batch.events
+        except DecodeError:
+            return
+        groups = self._config.prefix_group_idxs
+        events = [e for e in full if _in_prefix_groups(e, groups)]
+        mismatches = check.apply(events)
+        if mismatches and not self._mismatch_logged:
+            self._mismatch_logged = True
+            event = mismatches[0]
+            why = diagnose_mismatch(event, self._config) if event.parent_key is None else "a continued chain"
+            log.warning(
+                "pod %s rank %d seq %d: block hashes differ from model %s's settings: %s",
+                ref.pod_id,
+                ref.dp_rank,
+                seq,
+                self.model,
+                why,
+            )
 
     def _publish(self, rank: int, publisher: EventPublisher, payload: bytes) -> None:
         """Under the lock. The publisher numbers what it is handed in order: the newest seq is ours."""
@@ -129,15 +165,15 @@ class Relay:
         ranks = []
         with self._lock:
             for rank in sorted(self._publishers):
-                checks, mismatches = self._hash_counts_of(rank)
+                check = self.hash_checks[rank]
                 ranks.append(
                     RankSnapshot(
                         dp_rank=rank,
                         seq=self._seqs[rank],
                         partial=self._partial_of(rank),
                         tiers=self._blocks.rank(rank).tier_blocks(),
-                        hash_checks_total=checks,
-                        hash_mismatches_total=mismatches,
+                        hash_checks_total=check.checked,
+                        hash_mismatches_total=check.mismatched,
                     )
                 )
         return PodSnapshot(SNAPSHOT_SCHEMA, self.sidecar_id, self.pod_id, self.model, self.block_size, ranks)
@@ -150,3 +186,15 @@ class Relay:
             if rank is None:
                 return self._blocks.num_blocks()
             return self._blocks.rank(rank).num_blocks()
+
+
+def _in_prefix_groups(event: KVEvent, groups: frozenset[int]) -> bool:
+    """The events ingest keeps for the index: those of the scored prefix's KV-cache groups."""
+    if type(event) is BlocksStored:
+        spec = event.spec_kind
+        return (spec is None or spec in PREFIX_SPEC_KINDS) and (
+            event.group_idx is None or event.group_idx in groups
+        )
+    if type(event) is BlocksRemoved:
+        return event.group_idx is None or event.group_idx in groups
+    return True

@@ -91,16 +91,12 @@ class SidecarService:
             self._close_publishers()
             raise
         self.relay = Relay(
-            settings.pod_id,
-            model.name,
-            model.block_size,
-            self.publishers,
-            sidecar_id=self.sidecar_id,
-            partial_of=self._partial_of,
-            hash_counts_of=self._hash_counts_of,
+            settings.pod_id, model, self.publishers, sidecar_id=self.sidecar_id, partial_of=self._partial_of
         )
         ingest_settings = IngestSettings(
-            hash_check_every=1,  # every checkable BlockStored, not a sample
+            # The relay checks every BlockStored (sidecar/hash_check.py); ingest's own sampled check of
+            # root runs would only repeat it.
+            hash_check_every=1 << 30,
             quiet_probe_after_s=settings.quiet_probe_after_s,
             replay_timeout_s=settings.replay_timeout_s,
             # The engine's block set is the product: never dropped for a long outage.
@@ -136,7 +132,8 @@ class SidecarService:
         return self.ingest.view_flagged(PodRef(self.settings.pod_id, rank))
 
     def _hash_counts_of(self, rank: int) -> tuple[int, int]:
-        return self.ingest.hash_check_counts(PodRef(self.settings.pod_id, rank))
+        check = self.relay.hash_checks[rank]
+        return check.checked, check.mismatched
 
     def ready(self) -> tuple[bool, str | None]:
         """Ready once every rank's engine stream has joined (its state is no longer `replaying`)."""

@@ -163,6 +163,36 @@ def test_sidecar_restart_past_the_engines_ring_is_noticed_and_the_central_resync
         sidecar.close()
 
 
+def test_the_sidecars_hash_mismatches_reach_the_central(engines: list[Engine]) -> None:
+    """The engine hashes with PYTHONHASHSEED "7", the model says unset: the sidecar recomputes every
+    block and counts each prompt; the central, which joined through the snapshot and so never saw those
+    events itself, shows the pod hash_mismatch with the sidecar's count."""
+    engines.append(Engine("pod-a", hash_seed="7"))
+    engine = engines[0]
+    sidecar = RunningSidecar(engine)
+    try:
+        for _ in range(3):
+            engine.store_prompt()
+        engine.flush()
+        wait_for(lambda: sidecar.downstream_seq() == 2, what="the prompts relayed")
+        status = sidecar.service.status().ranks[0]
+        assert (status.hash_checks_total, status.hash_mismatches_total, status.hash_check) == (
+            3,
+            3,
+            "mismatch",
+        )
+        service = central([sidecar.pod_config()])
+        try:
+            wait_for(
+                lambda: status_of(service, "pod-a").state == "hash_mismatch", what="the central flags it"
+            )
+            assert status_of(service, "pod-a").hash_mismatches_total == 3
+        finally:
+            service.stop()
+    finally:
+        sidecar.close()
+
+
 # --- snapshots the central cannot use -------------------------------------------------------------
 
 
