@@ -72,6 +72,7 @@ class SidecarCollector(Collector):
             "publish_dropped": "Batches the downstream queue refused (consumers need a snapshot).",
             "hash_checks": "BlockStored events whose hashes were recomputed.",
             "hash_mismatches": "BlockStored events whose recomputed hashes differ.",
+            "hash_unverifiable": "BlockStored events with token ids that could not be recomputed.",
         }
         families = {
             name: CounterMetricFamily(f"kvindex_sidecar_{name}", text, labels=_LABELS)
@@ -101,6 +102,7 @@ class SidecarCollector(Collector):
                 ("publish_dropped", relay.publish_dropped),
                 ("hash_checks", rank.hash_checks_total),
                 ("hash_mismatches", rank.hash_mismatches_total),
+                ("hash_unverifiable", rank.hash_unverifiable_total),
             ):
                 families[name].add_metric(labels, value)
             seq.add_metric(labels, -1 if rank.downstream_seq is None else rank.downstream_seq)

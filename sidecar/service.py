@@ -38,6 +38,8 @@ class RankStatus(msgspec.Struct, frozen=True):
     partial: bool
     hash_checks_total: int
     hash_mismatches_total: int
+    # BlockStored with token ids that could not be recomputed (a parent never checked, extra keys).
+    hash_unverifiable_total: int
     hash_check: str  # "ok", "mismatch", or "unchecked" (no checkable BlockStored seen yet)
     relay: RankCounts
 
@@ -162,6 +164,7 @@ class SidecarService:
                     partial=engine.partial_view or engine.state == "resyncing",
                     hash_checks_total=checks,
                     hash_mismatches_total=mismatches,
+                    hash_unverifiable_total=self.relay.hash_checks[rank].unverifiable,
                     hash_check="mismatch" if mismatches else "ok" if checks else "unchecked",
                     relay=msgspec.structs.replace(self.relay.counts[rank]),
                 )
