@@ -16,6 +16,7 @@ COPY replay ./replay
 COPY indexer ./indexer
 COPY sim ./sim
 COPY api ./api
+COPY sidecar ./sidecar
 COPY demo ./demo
 COPY cli ./cli
 RUN pip install . && rm -rf /src
@@ -26,6 +27,7 @@ USER kvindex
 WORKDIR /
 
 # 8080: kvindex HTTP API and /metrics. 5557/5558/8000: `kvindex sim` (PUB, replay ROUTER, HTTP).
-EXPOSE 8080 5557 5558 8000
+# 5567/5568/8081: `kvindex sidecar` (downstream PUB, replay ROUTER, snapshot/status/metrics HTTP).
+EXPOSE 8080 5557 5558 8000 5567 5568 8081
 ENTRYPOINT ["kvindex"]
 CMD ["--help"]

@@ -111,6 +111,11 @@ COUNTER_METRICS: dict[str, tuple[str, str, str | None]] = {
         "Events of KV-cache groups kept out of prefix scoring.",
         None,
     ),
+    "snapshots": (
+        "kvindex_snapshot_loads",
+        "Sidecar snapshot loads, by outcome (anything but ok fell back to the replay ring).",
+        "outcome",
+    ),
 }
 
 # Label values exported at 0 before they first happen, so rate() and alerts see the series from the start.
@@ -118,6 +123,7 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "events_applied": ("BlockStored", "BlockRemoved", "AllBlocksCleared"),
     # "unavailable": a gap or join on a stream with no replay endpoint configured.
     "replays": ("ok", "history_lost", "timeout", "error", "unavailable", "gave_up"),
+    "snapshots": ("ok", "unavailable", "invalid", "wrong_pod"),
 }
 
 _STREAM_LABELS = ["pod", "dp_rank", "model"]

@@ -50,6 +50,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="before a kv-aware score, wait at most this long for the indexer to apply what the engines "
         "published (default 20); scores taken before that are reported as stale",
     )
+    parser.add_argument(
+        "--sidecars",
+        action="store_true",
+        help="run a kvindex sidecar beside each engine: the indexer follows the sidecars' streams and "
+        "loads their snapshots",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
 
 
@@ -66,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         duration_s=args.duration,
         index_wait_ms=args.index_wait_ms,
+        sidecars=args.sidecars,
     )
     trace = generate_trace(WorkloadSpec(num_requests=options.num_requests, seed=options.seed))
     block_size = demo_fleet.BLOCK_SIZE

@@ -32,8 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pod",
         action="append",
-        metavar="ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]",
-        help="connect mode: dial this engine's PUB socket (and ROUTER replay socket); repeatable",
+        metavar="ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N][,snapshot=URL]",
+        help="connect mode: dial this engine's PUB socket (and ROUTER replay socket); repeatable. With a "
+        "sidecar (kvindex sidecar), dial the sidecar's sockets and give snapshot=http://HOST:8081/v1/snapshot: "
+        "a join or a gap older than the ring then loads the sidecar's state (exact)",
     )
     parser.add_argument(
         "--listen",
@@ -50,6 +52,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="bind mode: replay endpoint of a pod that dialled in, e.g. tcp://{pod}:5558 (placeholders {pod} "
         "and {model}; no rank placeholder: rank r > 0 is reached at the template's port + r, as vLLM offsets "
         "each rank's replay socket); default: no replay, so a gap clears the pod until it resyncs",
+    )
+    parser.add_argument(
+        "--listen-snapshot",
+        metavar="TEMPLATE",
+        help="bind mode: snapshot URL of a dialled-in pod's sidecar, e.g. http://{pod}:8081/v1/snapshot "
+        "(placeholders {pod} and {model}); default: no snapshots",
     )
     parser.add_argument("--model", metavar="NAME", help="the model served (or the one the next flags change)")
     parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
@@ -138,13 +146,14 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
         )
     for pod in config.pods:
         logger.info(
-            "pod %s dp rank %d (model %s, from %s): events %s, replay %s",
+            "pod %s dp rank %d (model %s, from %s): events %s, replay %s, snapshot %s",
             pod.pod_id,
             pod.dp_rank,
             pod.model,
             config.pod_sources.get((pod.pod_id, pod.dp_rank), "?"),
             pod.endpoint,
             pod.replay_endpoint or "none (gaps lose history)",
+            pod.snapshot_url or "none",
         )
     for asked, bound in zip(config.listen, service.listen_endpoints, strict=False):
         logger.info(

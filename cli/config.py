@@ -130,6 +130,14 @@ class _PodSection(msgspec.Struct, forbid_unknown_fields=True):
             ge=0,
         ),
     ] = 0
+    snapshot: Annotated[
+        str | None,
+        _key(
+            "The pod's sidecar (`kvindex sidecar`) snapshot URL, `http://HOST:8081/v1/snapshot`: a join or "
+            "a gap older than the ring loads it instead of clearing the pod (exact, not `partial_view`). "
+            "`endpoint` and `replay` are then the sidecar's (5567, 5568)."
+        ),
+    ] = None
 
 
 class _TierSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -298,6 +306,13 @@ class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
             ge=1,
         ),
     ] = _INGEST.max_message_bytes
+    snapshot_timeout_s: Annotated[
+        float,
+        _key("A sidecar snapshot load fails after this long without data (then the ring is replayed).", gt=0),
+    ] = _INGEST.snapshot_timeout_s
+    snapshot_max_bytes: Annotated[
+        int, _key("The largest sidecar snapshot loaded; a bigger one falls back to the ring.", ge=1)
+    ] = _INGEST.snapshot_max_bytes
 
 
 class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -338,6 +353,14 @@ class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
             "replay, so a gap clears the pod until it resyncs."
         ),
     ] = None
+    listen_snapshot: Annotated[
+        str | None,
+        _key(
+            "Bind mode: the snapshot URL of a pod's sidecar that dialled in, a template with `{pod}` and "
+            "`{model}` (e.g. `http://{pod}:8081/v1/snapshot`; one sidecar serves every rank). Unset: no "
+            "snapshots."
+        ),
+    ] = None
     log_level: Annotated[str, _key("Log verbosity: `debug`, `info`, `warning` or `error`.")] = "info"
     switch_interval_ms: Annotated[
         float,
@@ -354,7 +377,10 @@ class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # IngestSettings fields the [ingest] table does not carry, and where they come from instead.
-INGEST_FIELDS_ELSEWHERE = {"listen_replay_template": "the top-level `listen_replay` key or `--listen-replay`"}
+INGEST_FIELDS_ELSEWHERE = {
+    "listen_replay_template": "the top-level `listen_replay` key or `--listen-replay`",
+    "listen_snapshot_template": "the top-level `listen_snapshot` key or `--listen-snapshot`",
+}
 
 
 def load_config_file(path: str | Path) -> _ConfigFile:
@@ -399,11 +425,15 @@ class PodFlag(msgspec.Struct, frozen=True):
     replay: str | None = None
     model: str | None = None
     dp_rank: int = 0
+    snapshot: str | None = None
+
+
+POD_FLAG_FORM = "ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N][,snapshot=URL]"
 
 
 def parse_pod_flag(text: str) -> PodFlag:
-    """`ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]` -> PodFlag."""
-    usage = "--pod must look like ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N]"
+    """`ID=ENDPOINT[,replay=ENDPOINT][,model=NAME][,dp_rank=N][,snapshot=URL]` -> PodFlag."""
+    usage = f"--pod must look like {POD_FLAG_FORM}"
     head, *options = text.split(",")
     pod_id, sep, endpoint = head.partition("=")
     if not sep or not pod_id or not endpoint:
@@ -411,8 +441,10 @@ def parse_pod_flag(text: str) -> PodFlag:
     values: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or key not in ("replay", "model", "dp_rank") or not value:
-            raise ConfigError(f"{usage}; {option!r} in {text!r} is not one of replay=, model=, dp_rank=")
+        if not sep or key not in ("replay", "model", "dp_rank", "snapshot") or not value:
+            raise ConfigError(
+                f"{usage}; {option!r} in {text!r} is not one of replay=, model=, dp_rank=, snapshot="
+            )
         if key in values:
             raise ConfigError(f"{usage}; {key}= is given twice in {text!r}")
         values[key] = value
@@ -425,7 +457,18 @@ def parse_pod_flag(text: str) -> PodFlag:
         replay=values.get("replay"),
         model=values.get("model"),
         dp_rank=int(dp_rank_text),
+        snapshot=values.get("snapshot"),
     )
+
+
+class ModelFlags(Protocol):
+    """The model flags `kvindex serve` and `kvindex sidecar` share (None when not given)."""
+
+    config: str | None
+    model: str | None
+    block_size: int | None
+    hash_algo: str | None
+    hash_seed: str | None
 
 
 class ServeArgs(Protocol):
@@ -436,6 +479,7 @@ class ServeArgs(Protocol):
     pod: list[str] | None
     listen: list[str] | None
     listen_replay: str | None
+    listen_snapshot: str | None
     model: str | None
     block_size: int | None
     hash_algo: str | None
@@ -465,6 +509,11 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         raise ConfigError("--listen-replay only applies with --listen (bind mode)")
     if listen_replay is not None:
         _check_replay_template(listen_replay)
+    listen_snapshot = args.listen_snapshot or file.listen_snapshot
+    if listen_snapshot is not None and not listen:
+        raise ConfigError("--listen-snapshot only applies with --listen (bind mode)")
+    if listen_snapshot is not None:
+        _check_snapshot_template(listen_snapshot)
     if not pods and not listen:
         raise ConfigError("nothing to subscribe to: give at least one --pod ID=ENDPOINT or --listen ENDPOINT")
 
@@ -483,7 +532,11 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     )
     if api.min_live_pods < 0:  # --min-live-pods (the file's value is bounded on load)
         raise ConfigError(f"--min-live-pods must be >= 0, got {api.min_live_pods}")
-    ingest = IngestSettings(listen_replay_template=listen_replay, **msgspec.structs.asdict(file.ingest))
+    ingest = IngestSettings(
+        listen_replay_template=listen_replay,
+        listen_snapshot_template=listen_snapshot,
+        **msgspec.structs.asdict(file.ingest),
+    )
 
     log_level = (args.log_level or file.log_level).lower()
     if log_level not in ("debug", "info", "warning", "error"):
@@ -582,8 +635,37 @@ def _check_replay_template(template: str) -> None:
         raise ConfigError(f"--listen-replay {template!r} {problem}, e.g. tcp://{{pod}}:5558")
 
 
+def snapshot_url_problem(url: str) -> str | None:
+    """Why `url` cannot be a sidecar snapshot URL, or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// URL with a host, e.g. http://pod-a:8081/v1/snapshot"
+    return None
+
+
+def _check_snapshot_template(template: str) -> None:
+    hint = "use the placeholders {pod} and {model} only, e.g. http://{pod}:8081/v1/snapshot"
+    try:
+        filled = template.format(pod="pod", model="model")
+    except KeyError as exc:
+        raise ConfigError(
+            f"--listen-snapshot {template!r} uses the unknown placeholder {{{exc.args[0]}}}; {hint}"
+        ) from None
+    except (IndexError, ValueError) as exc:
+        raise ConfigError(f"--listen-snapshot {template!r} is not a valid template ({exc}); {hint}") from None
+    problem = snapshot_url_problem(filled)
+    if problem is not None:
+        raise ConfigError(f"--listen-snapshot {template!r} {problem}")
+
+
 def _merge_models(
-    sections: Sequence[_ModelSection], args: ServeArgs, env: Mapping[str, str]
+    sections: Sequence[_ModelSection], args: ModelFlags, env: Mapping[str, str]
 ) -> tuple[list[ModelConfig], dict[str, str]]:
     env_seed = env.get("PYTHONHASHSEED")
     by_name: dict[str, _ModelSection] = {}
@@ -612,7 +694,7 @@ def _merge_models(
     return [_model_config(section, env_seed) for section in by_name.values()], seed_sources
 
 
-def _with_model_flags(section: _ModelSection, args: ServeArgs) -> _ModelSection:
+def _with_model_flags(section: _ModelSection, args: ModelFlags) -> _ModelSection:
     return msgspec.structs.replace(
         section,
         block_size=args.block_size if args.block_size is not None else section.block_size,
@@ -662,6 +744,7 @@ class _PodEntry(msgspec.Struct, frozen=True):
     model: str | None
     dp_rank: int
     source: str  # "config file" or "--pod"
+    snapshot: str | None = None
 
 
 def _merge_pods(
@@ -673,8 +756,12 @@ def _merge_pods(
     pod by it, so one entry would silently win. A --pod for a (id, dp rank) the file lists replaces the
     file's entry (flags override the file); the start-up log says so.
     """
-    entries = [_PodEntry(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file") for s in sections]
-    entries += [_PodEntry(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod") for f in flags]
+    entries = [
+        _PodEntry(s.id, s.endpoint, s.replay, s.model, s.dp_rank, "config file", s.snapshot) for s in sections
+    ]
+    entries += [
+        _PodEntry(f.pod_id, f.endpoint, f.replay, f.model, f.dp_rank, "--pod", f.snapshot) for f in flags
+    ]
     by_stream: dict[tuple[str, int], PodConfig] = {}
     sources: dict[tuple[str, int], str] = {}
     seen: set[tuple[str, int, str]] = set()  # (pod id, dp rank, source)
@@ -705,6 +792,9 @@ def _merge_pods(
             problem = None if endpoint is None else endpoint_problem(endpoint, dial=True)
             if problem is not None:
                 raise ConfigError(f"pod {pod_id!r} ({source}): {what} {endpoint!r} {problem}")
+        problem = None if entry.snapshot is None else snapshot_url_problem(entry.snapshot)
+        if problem is not None:
+            raise ConfigError(f"pod {pod_id!r} ({source}): snapshot {entry.snapshot!r} {problem}")
         sources[stream] = "--pod, replacing the config file's entry" if stream in sources else source
         by_stream[stream] = PodConfig(
             pod_id=pod_id,
@@ -712,5 +802,17 @@ def _merge_pods(
             model=model,
             replay_endpoint=entry.replay,
             dp_rank=entry.dp_rank,
+            snapshot_url=entry.snapshot,
         )
     return list(by_stream.values()), sources
+
+
+def build_sidecar_model(args: ModelFlags, env: Mapping[str, str]) -> ModelConfig:
+    """The one model a sidecar's engine serves: `--model` (required) with the hash flags, over that
+    model's `[[models]]` entry in `--config` (the same file `kvindex serve` reads); PYTHONHASHSEED as the
+    default seed, exactly as for serve."""
+    if args.model is None:
+        raise ConfigError("--model NAME is required: the model the engine serves")
+    file = load_config_file(args.config) if args.config else _ConfigFile()
+    models, _ = _merge_models(file.models, args, env)
+    return next(model for model in models if model.name == args.model)

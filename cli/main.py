@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "kvindex.cli.cmd_sim",
         "simulated vLLM engines publishing real KV-event streams (PUB + ROUTER replay)",
     ),
+    "sidecar": (
+        "kvindex.cli.cmd_sidecar",
+        "beside an engine: its KV events under the sidecar's own seq, plus snapshots of the pod's blocks",
+    ),
     "demo": ("kvindex.cli.cmd_demo", "one command: simulated fleet + indexer + shared-prefix workload"),
     "hash": ("kvindex.cli.cmd_hash", "vLLM block hashes for a token sequence"),
     "compat": ("kvindex.cli.cmd_compat", "hash-compatibility harness"),

@@ -1,7 +1,8 @@
 """`kvindex demo`'s shell: per routing policy, a fresh fleet in this process and the trace routed over it.
 
 Simulated engines (real PUB/replay sockets, real HTTP) -> the real IngestService -> the real HTTP API
-on 127.0.0.1 ephemeral ports. The router sends each request to an engine over HTTP and adds up the
+on 127.0.0.1 ephemeral ports; with `sidecars`, a kvindex sidecar per engine sits between them (the
+indexer dials the sidecars and loads their snapshots). The router sends each request to an engine over HTTP and adds up the
 cached tokens the engine reports; the kv-aware policy asks POST /v1/score first, as a real router would.
 """
 
@@ -20,8 +21,12 @@ from kvindex.api.settings import ApiSettings
 from kvindex.demo.policies import POLICY_NAMES, RoutingPolicy, make_policy
 from kvindex.demo.report import PolicyResult, ProgressLine
 from kvindex.demo.workload import DemoRequest
+from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
+from kvindex.sidecar.http import HttpThread
+from kvindex.sidecar.service import SidecarService
+from kvindex.sidecar.settings import SidecarSettings
 from kvindex.sim.engine import SimEngine, SimEngineConfig
 
 MODEL = "demo-model"
@@ -41,6 +46,7 @@ class DemoOptions:
     concurrency: int
     duration_s: float | None
     index_wait_ms: float
+    sidecars: bool = False  # a kvindex sidecar per engine, between it and the indexer
 
 
 class DemoError(Exception):
@@ -65,6 +71,7 @@ class _Fleet:
     def __init__(self, options: DemoOptions) -> None:
         self.pod_ids = [f"pod-{chr(ord('a') + n)}" if n < 26 else f"pod-{n}" for n in range(options.num_pods)]
         self.engines: list[SimEngine] = []
+        self.sidecars: list[tuple[SidecarService, HttpThread]] = []
         self.service: IngestService | None = None
         self.runner: web.AppRunner | None = None
         self.api_url = ""
@@ -85,6 +92,8 @@ class _Fleet:
             )
             for pod_id, engine in zip(self.pod_ids, self.engines, strict=True)
         ]
+        if self._options.sidecars:
+            pods = await asyncio.get_running_loop().run_in_executor(None, self._start_sidecars, pods, model)
         self.service = IngestService([model], pods, settings=IngestSettings(num_workers=2))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.service.start)
@@ -96,11 +105,48 @@ class _Fleet:
         self.api_url = f"http://{host}:{port}"
         await _await_condition(self.service.ready, STARTUP_TIMEOUT_S, "the indexer did not become ready")
 
+    def _start_sidecars(self, engine_pods: list[PodConfig], model: ModelConfig) -> list[PodConfig]:
+        """A sidecar per engine (ephemeral loopback ports); the indexer's pods become the sidecars'."""
+        pods = []
+        for pod in engine_pods:
+            settings = SidecarSettings(
+                pod_id=pod.pod_id,
+                model=model,
+                engines=(pod.endpoint,),
+                engine_replays=(pod.replay_endpoint,),
+                publish="tcp://127.0.0.1:0",
+                replay="tcp://127.0.0.1:0",
+                http_host="127.0.0.1",
+                http_port=0,
+            )
+            sidecar = SidecarService(settings)
+            http = HttpThread(sidecar)
+            self.sidecars.append((sidecar, http))
+            sidecar.start()
+            url = http.start()
+            publisher = sidecar.publishers[0]
+            pods.append(
+                PodConfig(
+                    pod.pod_id,
+                    publisher.endpoint,
+                    MODEL,
+                    replay_endpoint=publisher.replay_endpoint,
+                    snapshot_url=f"{url}/v1/snapshot",
+                )
+            )
+        return pods
+
+    def _stop_sidecars(self) -> None:
+        for sidecar, http in self.sidecars:
+            http.stop()
+            sidecar.stop()
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
         if self.service is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.service.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_sidecars)
         for engine in self.engines:
             await engine.stop()
 
@@ -112,10 +158,18 @@ class _Fleet:
         """Has the indexer applied every batch the engines have published so far?"""
         assert self.service is not None
         applied = {status.pod: status.last_seq for status in self.service.pod_statuses()}
-        for pod_id, engine in zip(self.pod_ids, self.engines, strict=True):
+        for n, (pod_id, engine) in enumerate(zip(self.pod_ids, self.engines, strict=True)):
             published = _last_published_seq(engine)
             if published is None:
                 continue
+            if self.sidecars:
+                # The indexer follows the sidecar's seq: every engine batch relayed, then applied.
+                sidecar = self.sidecars[n][0]
+                if sidecar.ingest.applied_seqs().get(PodRef(pod_id, 0)) != published:
+                    return False
+                published = sidecar.relay.downstream_seq(0)
+                if published is None:
+                    return False
             last_applied = applied.get(pod_id)
             if last_applied is None or last_applied < published:
                 return False

@@ -171,6 +171,19 @@ class BlockHasher:
         )
         return event_hashes_of(digests, self._algo.digest_size)
 
+    def block_hashes_after(self, parent: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """Raw digests of plain full blocks (no extra keys) continuing a chain whose last block's digest
+        is `parent`: what vLLM computes for the blocks it appends after a cached prefix. With `parent`
+        = `root` this is `block_hashes(token_ids)`."""
+        tokens, _ = _prepare(token_ids)
+        digests = [parent]
+        num_blocks = len(tokens) // self._block_size
+        if self._algo.uses_cbor:
+            self._hash_cbor(tokens, None, 0, num_blocks, digests)
+        else:
+            self._hash_pickle(tokens, None, 0, num_blocks, digests)
+        return digests[1:]
+
     def event_extra_keys(
         self,
         token_ids: Sequence[int],

@@ -29,3 +29,6 @@ class PodConfig(msgspec.Struct, frozen=True):
     model: str
     replay_endpoint: str | None = None
     dp_rank: int = 0
+    # The pod's sidecar (`kvindex sidecar`): its GET /v1/snapshot URL. Joins and gaps older than the
+    # replay ring then load the sidecar's state instead of clearing the pod (exact, not partial_view).
+    snapshot_url: str | None = None

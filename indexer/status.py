@@ -88,6 +88,8 @@ class IngestCounters(msgspec.Struct):
     unknown_parents: int = 0
     block_size_mismatches: int = 0
     non_prefix_group_events: int = 0
+    # outcome ("ok" | "unavailable" | "invalid" | "wrong_pod") -> sidecar snapshot loads
+    snapshots: dict[str, int] = {}
 
 
 class IngestSettingsView(Protocol):

@@ -89,7 +89,8 @@ class EventPublisher:
         self._topic_bytes = topic.encode("utf-8")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = ctx if ctx is not None else zmq.Context.instance()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=max_queue_size)
+        # A batch to encode, or a payload already encoded (`publish_payload`: sent as it is).
+        self._queue: queue.Queue[KVEventBatch | bytes] = queue.Queue(maxsize=max_queue_size)
 
         effective_endpoint = offset_endpoint_port(endpoint, dp_rank)
         effective_replay = offset_endpoint_port(replay_endpoint, dp_rank)
@@ -157,6 +158,16 @@ class EventPublisher:
             raise RuntimeError("publisher is closed")
         if batch.data_parallel_rank is None:
             batch = msgspec.structs.replace(batch, data_parallel_rank=self.dp_rank)
+        return self._enqueue(batch)
+
+    def publish_payload(self, payload: bytes) -> bool:
+        """Queue a batch payload encoded elsewhere (a relay forwarding another publisher's batch): sent
+        byte for byte under this publisher's next seq, rank and all as they are in the bytes."""
+        if not self._running:
+            raise RuntimeError("publisher is closed")
+        return self._enqueue(payload)
+
+    def _enqueue(self, batch: KVEventBatch | bytes) -> bool:
         with self._progress:
             self._num_enqueued += 1
         try:
@@ -245,13 +256,13 @@ class EventPublisher:
                 return
             self._send(batch)
 
-    def _send(self, batch: KVEventBatch) -> None:
+    def _send(self, batch: KVEventBatch | bytes) -> None:
         # Like vLLM, a seq is consumed even if sending fails, which leaves a gap for consumers to see.
         seq = self._next_seq
         self._next_seq += 1
         sent = False
         try:
-            payload = encode_batch(batch)
+            payload = batch if isinstance(batch, bytes) else encode_batch(batch)
             self._pub.send_multipart(live_frames(self._topic_bytes, seq, payload))
             self._buffer.append((seq, payload))
             sent = True

@@ -31,6 +31,7 @@ CHECK_MARGIN = 8
 
 ClearReason = Literal["restart", "history_lost", "resync"]
 ReplayPurpose = Literal["join", "gap", "verify", "reconnect", "probe"]
+SnapshotPurpose = Literal["join", "history_lost", "resync"]
 
 
 class Apply(msgspec.Struct, Generic[T], frozen=True):
@@ -58,7 +59,15 @@ class FetchReplay(msgspec.Struct, frozen=True):
     attempt: int = 0
 
 
-Action = Apply[T] | ClearPod | FetchReplay
+class FetchSnapshot(msgspec.Struct, frozen=True):
+    """Load the stream's snapshot (a sidecar's state and the seq it reflects), then call `on_snapshot`
+    (or `on_snapshot_failed`). Only for streams built with `snapshot=True`; like FetchReplay, always the
+    last action of a list, and live items arriving meanwhile are held."""
+
+    purpose: SnapshotPurpose
+
+
+Action = Apply[T] | ClearPod | FetchReplay | FetchSnapshot
 
 
 class ReplayedItem(msgspec.Struct, Generic[T], frozen=True):
@@ -90,18 +99,30 @@ class SequenceTracker(Generic[T]):
     - `resyncing` and `partial_view` end when the view is complete again: after an AllBlocksCleared
       (the shell calls `view_complete()`), or when a probe finds the ring still starting at seq 0 (the
       whole history: clear and apply it all, reason "resync").
+    - With `snapshot=True` (the publisher is a sidecar serving its state at a seq) a join, and a gap the
+      ring no longer covers, load the snapshot instead (FetchSnapshot): the shell replaces the stream's
+      entries with it and calls `on_snapshot(seq)`, the held live batches after seq follow. The view is
+      then exact, not flagged. A snapshot that cannot be loaded (`on_snapshot_failed`) falls back to the
+      replay path once (join from the ring, or clear and apply the tail, flagged); a flagged stream's
+      next probe tries the snapshot again.
     """
 
-    def __init__(self, *, replayable: bool = True, max_held_bytes: int = MAX_HELD_BYTES) -> None:
+    def __init__(
+        self, *, replayable: bool = True, max_held_bytes: int = MAX_HELD_BYTES, snapshot: bool = False
+    ) -> None:
         """`replayable`: the stream has a replay socket. Without one nothing can be verified, so a seq
-        that goes back with an unknown digest is taken for a restarted engine rather than a stale copy."""
+        that goes back with an unknown digest is taken for a restarted engine rather than a stale copy.
+        `snapshot`: the stream's state can be loaded at a seq (FetchSnapshot)."""
         self.replayable = replayable
+        self.snapshot = snapshot
+        # The last snapshot could not be loaded: the next join or lost gap takes the replay path.
+        self._skip_snapshot = False
         self._max_held_bytes = max_held_bytes
         self.last_applied: int | None = None
         self.joined = False
         self.resyncing = False
         self.partial_view = False
-        self.awaiting: FetchReplay | None = None
+        self.awaiting: FetchReplay | FetchSnapshot | None = None
         # The shell should probe this stream again soon (a check that could not be made).
         self.needs_check = False
         self.num_duplicates = 0
@@ -132,7 +153,7 @@ class SequenceTracker(Generic[T]):
         """First contact (connect mode at start): fetch everything the ring holds."""
         if self.joined or self.awaiting is not None:
             return []
-        return [self._fetch(0, "join")]
+        return [self._join()]
 
     def begin_probe(self) -> list[Action[T]]:
         """The stream went quiet (or a check is due): ask the ring for batches we never received, for a
@@ -140,7 +161,9 @@ class SequenceTracker(Generic[T]):
         if self.awaiting is not None:
             return []
         if not self.joined:
-            return [self._fetch(0, "join")]
+            return [self._join()]
+        if (self.partial_view or self.resyncing) and self.snapshot:
+            return [self._fetch_snapshot("resync")]
         flagged = (self.partial_view or self.resyncing) and not self._ring_overflowed
         start = 0 if self.last_applied is None or flagged else self._check_start(self.last_applied)
         return [self._fetch(start, "probe")]
@@ -152,7 +175,7 @@ class SequenceTracker(Generic[T]):
             self._recheck = True
             return []
         if not self.joined:
-            return [self._fetch(0, "join")]
+            return [self._join()]
         return [
             self._fetch(0 if self.last_applied is None else self._check_start(self.last_applied), "reconnect")
         ]
@@ -177,7 +200,7 @@ class SequenceTracker(Generic[T]):
             return []
         if not self.joined:
             self._hold(seq, item, digest, size)
-            return [self._fetch(0, "join")]
+            return [self._join()]
         last = self.last_applied
         if last is not None and seq <= last:
             known = self._recent.get(seq)
@@ -204,7 +227,7 @@ class SequenceTracker(Generic[T]):
         MAX_REPLAY_ATTEMPTS the stream goes on with what it holds.
         """
         request = self.awaiting
-        if request is None:
+        if not isinstance(request, FetchReplay):
             return []
         if not complete:
             if request.attempt + 1 < MAX_REPLAY_ATTEMPTS:
@@ -223,9 +246,69 @@ class SequenceTracker(Generic[T]):
     def on_replay_unavailable(self) -> list[Action[T]]:
         """The stream has no replay socket: go on with what is held (what is missing is lost)."""
         request = self.awaiting
-        if request is None:
+        if not isinstance(request, FetchReplay):
             return []
         return self._settle(request, [], proven=False)
+
+    def begin_snapshot_check(self) -> list[Action[T]]:
+        """Load the snapshot now (the shell saw a sign the source's view changed: an AllBlocksCleared
+        from a sidecar, which may be its own after it lost history), unless a request is out."""
+        if not self.snapshot or self.awaiting is not None or not self.joined:
+            return []
+        return [self._fetch_snapshot("resync")]
+
+    def on_snapshot(self, seq: int | None, *, partial: bool = False) -> list[Action[T]]:
+        """The shell replaced the stream's entries with a snapshot reflecting every batch up to `seq`
+        (None: none yet). Held batches after it follow; a hole before them is replayed from `seq`.
+        `partial`: the snapshot's source itself lacks part of the history (flagged, not resyncing)."""
+        if not isinstance(self.awaiting, FetchSnapshot):
+            return []
+        self.awaiting = None
+        self.joined = True
+        self._skip_snapshot = False
+        self._reset_view()
+        self.partial_view = partial
+        self.needs_check = False
+        self._verified = True
+        self._ring_overflowed = False
+        # Its digest is unknown: a replay answering from seq is taken as the same publisher's.
+        self.last_applied = seq
+        stale = [s for s in self._held if seq is not None and s <= seq]
+        for s in stale:
+            del self._held[s]
+            self._held_bytes -= self._held_sizes.pop(s, 0)
+        self.num_duplicates += len(stale)
+        pending = sorted(self._held)
+        expected = 0 if seq is None else seq + 1
+        if pending and (pending[0] != expected or pending[-1] - pending[0] != len(pending) - 1):
+            self.num_gaps += 1
+            return [self._fetch(0 if seq is None else seq, "gap")]
+        actions: list[Action[T]] = []
+        for s in pending:
+            item, digest = self._held[s]
+            self._mark_applied(s, digest)
+            actions.append(Apply(s, item))
+        self._held = {}
+        self._held_sizes = {}
+        self._held_bytes = 0
+        return actions
+
+    def on_snapshot_failed(self) -> list[Action[T]]:
+        """The snapshot could not be loaded: what a stream without one would have done — a join replays
+        the ring; a lost gap is asked from the ring again, which clears and applies the tail, flagged.
+        The shell is asked to check again later (`needs_check`), which tries the snapshot again."""
+        request = self.awaiting
+        if not isinstance(request, FetchSnapshot):
+            return []
+        self.awaiting = None
+        self._skip_snapshot = True
+        self.needs_check = True
+        if not self.joined:
+            return [self._fetch(0, "join")]
+        if request.purpose == "resync":
+            self._skip_snapshot = False
+            return []  # still flagged, as before the attempt; the next check tries again
+        return [self._fetch(0 if self.last_applied is None else self.last_applied, "gap")]
 
     def view_complete(self) -> None:
         """The pod's view is whole again (it cleared its cache): leave `resyncing` / `partial_view`."""
@@ -241,6 +324,7 @@ class SequenceTracker(Generic[T]):
         self.awaiting = None
         self.joined = True
         self._recheck = self._recheck and proven
+        skip_snapshot, self._skip_snapshot = self._skip_snapshot, False
         items = [r for r in replayed if r.seq >= request.start_seq]
         if proven:
             self._drop_foreign_held(items, request.start_seq)
@@ -251,7 +335,7 @@ class SequenceTracker(Generic[T]):
             # is another engine's (a restart), whatever the seqs.
             recent = self._recent
             if any(recent.get(r.seq, r.digest) != r.digest for r in items if r.seq <= last):
-                return [self._restart(), self._fetch(0, "join")]
+                return [self._restart(), self._join()]
             if self._check_from is not None and self._connections == self._fetch_connections:
                 if request.start_seq <= self._check_from or not items or items[0].seq > self._check_from:
                     self._check_from = None  # compared as far back as the ring goes
@@ -279,7 +363,7 @@ class SequenceTracker(Generic[T]):
                 unverified = True
             else:
                 # The ring's newest seq is below what we applied: a new engine.
-                return [self._restart(), self._fetch(0, "join")]
+                return [self._restart(), self._join()]
         elif proven and items and items[0].seq > 0:
             self._ring_overflowed = True
         merged: dict[int, tuple[T, int]] = dict(self._held)
@@ -298,6 +382,12 @@ class SequenceTracker(Generic[T]):
         expected = 0 if last is None else last + 1
         gapless = pending[-1] - pending[0] == len(pending) - 1
         if unverified or not gapless or pending[0] != expected:
+            if self.snapshot and not skip_snapshot:
+                # The snapshot replaces the lost history: hold what we have, load it, go on after it.
+                if last is not None:
+                    self.num_history_lost += 1
+                self._held = {seq: merged[seq] for seq in pending}
+                return actions + [self._fetch_snapshot("history_lost" if last is not None else "join")]
             if last is None and gapless:
                 # Joined late: the ring no longer starts at 0. Nothing applied yet, nothing to clear.
                 self.partial_view = True
@@ -365,9 +455,20 @@ class SequenceTracker(Generic[T]):
         return last if self._check_from is None else min(last, self._check_from)
 
     def _fetch(self, start_seq: int, purpose: ReplayPurpose) -> FetchReplay:
-        self.awaiting = FetchReplay(start_seq, purpose)
+        request = self.awaiting = FetchReplay(start_seq, purpose)
         self._fetch_connections = self._connections
-        return self.awaiting
+        return request
+
+    def _fetch_snapshot(self, purpose: SnapshotPurpose) -> FetchSnapshot:
+        request = self.awaiting = FetchSnapshot(purpose)
+        return request
+
+    def _join(self) -> FetchReplay | FetchSnapshot:
+        """First contact: the snapshot when there is one (unless the last could not be loaded), else
+        everything the ring holds."""
+        if self.snapshot and not self._skip_snapshot:
+            return self._fetch_snapshot("join")
+        return self._fetch(0, "join")
 
     def _reset_view(self) -> None:
         self.last_applied = None

@@ -37,7 +37,7 @@ def _kvindex_services(compose: dict[str, Any]) -> dict[str, list[str]]:
 def test_every_kvindex_command_parses() -> None:
     compose = _load_yaml(ROOT / "compose.yaml")
     commands = _kvindex_services(compose)
-    assert sorted(command[0] for command in commands.values()) == ["serve", "sim", "sim", "sim"]
+    assert sorted(command[0] for command in commands.values()) == ["serve"] + ["sidecar"] * 3 + ["sim"] * 3
     parser = build_parser()
     for name, argv in commands.items():
         try:
@@ -56,17 +56,32 @@ def test_serve_dials_each_engine_where_it_binds() -> None:
     compose = _load_yaml(ROOT / "compose.yaml")
     services = compose["services"]
     commands = _kvindex_services(compose)
-    pod_flags = [argv[i + 1] for argv in commands.values() for i, arg in enumerate(argv) if arg == "--pod"]
+    pod_flags = [
+        argv[i + 1]
+        for argv in commands.values()
+        if argv[0] == "serve"
+        for i, arg in enumerate(argv)
+        if arg == "--pod"
+    ]
     assert pod_flags
     for flag in pod_flags:
         pod_id, _, rest = flag.partition("=")
-        endpoint, _, replay = rest.partition(",replay=")
+        endpoint, _, options = rest.partition(",replay=")
+        replay, _, snapshot = options.partition(",snapshot=")
         assert pod_id in services, f"--pod {flag}: no service named {pod_id}"
         engine_argv = commands[pod_id]
-        # The engine binds on all interfaces at the ports kvindex dials by service name.
-        assert endpoint == f"tcp://{pod_id}:5557"
-        assert replay == f"tcp://{pod_id}:5558"
+        # The engine binds on all interfaces where its sidecar dials it by default (127.0.0.1:5557/5558,
+        # the sidecar sharing the engine's network namespace); kvindex dials the sidecar's defaults
+        # (*:5567, *:5568, :8081) by the engine's service name.
         assert "tcp://*:5557" in engine_argv and "tcp://*:5558" in engine_argv
+        sidecars = [n for n, s in services.items() if s.get("network_mode") == f"service:{pod_id}"]
+        assert len(sidecars) == 1, f"pod {pod_id}: one sidecar in its network namespace, got {sidecars}"
+        sidecar_argv = commands[sidecars[0]]
+        assert sidecar_argv[0] == "sidecar" and sidecar_argv[sidecar_argv.index("--pod") + 1] == pod_id
+        assert "--engine" not in sidecar_argv and "--publish" not in sidecar_argv  # the defaults
+        assert endpoint == f"tcp://{pod_id}:5567"
+        assert replay == f"tcp://{pod_id}:5568"
+        assert snapshot == f"http://{pod_id}:8081/v1/snapshot"
     # Same hash seed everywhere, or no prompt hash would match an event hash.
     seeds = {str((services[name].get("environment") or {}).get("PYTHONHASHSEED")) for name in commands}
     assert len(seeds) == 1 and seeds != {"None"}
@@ -98,7 +113,16 @@ def test_dockerfile_installs_the_package_and_runs_kvindex() -> None:
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
     ignored = (ROOT / ".dockerignore").read_text().split()
     # Everything the package is built from must reach the build context.
-    for needed in ("pyproject.toml", "README.md", "kvindex", "hashing", "replay", "indexer", "api"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "kvindex",
+        "hashing",
+        "replay",
+        "indexer",
+        "api",
+        "sidecar",
+    ):
         assert needed not in ignored
 
 

@@ -39,6 +39,7 @@ from benchmarks.faults.subject import (
     ProcessSubject,
     Subject,
     ingest_settings,
+    model_config,
     serve_config,
 )
 from benchmarks.faults.verdict import PodVerdict, is_failure, judge, worst
@@ -80,6 +81,11 @@ class Outcome(msgspec.Struct, frozen=True):
         return "\n".join(lines)
 
 
+# The sidecars' downstream ring (batches per rank): small, so kvindex's gaps outgrow it and its
+# recoveries go through the sidecar's snapshot.
+SIDECAR_RING = 8
+
+
 class _Run:
     """Everything one schedule owns while it runs."""
 
@@ -87,6 +93,7 @@ class _Run:
         self.schedule = schedule
         self.knobs = knobs
         self.notes: list[str] = []
+        self.sidecars: list[object] = []  # SidecarService, imported only when a schedule has sidecars
         bind_mode = schedule.mode == "bind"
         ports = PortPool(random.Random())
         stack.callback(ports.close)  # last: every socket on these ports is closed by then
@@ -156,6 +163,10 @@ class _Run:
         for links in self.proxies.values():
             for link in links:
                 stack.callback(link.close)
+        if schedule.sidecars:
+            if bind_mode or schedule.runner != "inproc":
+                raise ValueError("sidecars run in connect mode with the in-process kvindex only")
+            pods = self._start_sidecars(pods, ports, knobs, stack)
         self.subject: Subject
         if schedule.runner == "process":
             self.subject = ProcessSubject(serve_config(pods, self.listen, self.listen_replay, knobs))
@@ -166,6 +177,58 @@ class _Run:
         self.kvindex_up = False
         self.kvindex_up_at = 0.0
         self.link_up_at: dict[str, float] = {}
+
+    def _start_sidecars(
+        self, engine_pods: list[PodConfig], ports: PortPool, knobs: HarnessKnobs, stack: ExitStack
+    ) -> list[PodConfig]:
+        """A sidecar per pod dialling its engines (through their cut links, if any); kvindex's pods
+        become the sidecars' downstream sockets and snapshot URLs."""
+        from kvindex.sidecar.http import HttpThread
+        from kvindex.sidecar.service import SidecarService
+        from kvindex.sidecar.settings import SidecarSettings
+
+        by_pod: dict[str, list[PodConfig]] = {}
+        for pod in engine_pods:
+            by_pod.setdefault(pod.pod_id, []).append(pod)
+        hwm = {spec.pod: spec.hwm for spec in self.schedule.engines}
+        central: list[PodConfig] = []
+        for pod_id, ranks in by_pod.items():
+            ranks.sort(key=lambda p: p.dp_rank)
+            publish_base, replay_base = ports.run(len(ranks)), ports.run(len(ranks))
+            settings = SidecarSettings(
+                pod_id=pod_id,
+                model=model_config(),
+                engines=tuple(p.endpoint for p in ranks),
+                engine_replays=tuple(p.replay_endpoint for p in ranks),
+                publish=tcp(publish_base),
+                replay=tcp(replay_base),
+                publish_bind=True,
+                buffer_steps=SIDECAR_RING,
+                hwm=hwm[pod_id],
+                quiet_probe_after_s=knobs.quiet_probe_after_s,
+                replay_timeout_s=knobs.replay_timeout_s,
+                reconnect_ivl_max_ms=knobs.reconnect_ivl_max_ms,
+            )
+            sidecar = SidecarService(settings)
+            stack.callback(sidecar.stop)
+            sidecar.start()
+            http = HttpThread(sidecar)
+            stack.callback(http.stop)
+            url = http.start()
+            self.sidecars.append(sidecar)
+            for pod in ranks:
+                r = pod.dp_rank
+                central.append(
+                    PodConfig(
+                        pod_id,
+                        tcp(publish_base + r),
+                        MODEL,
+                        replay_endpoint=tcp(replay_base + r),
+                        dp_rank=r,
+                        snapshot_url=f"{url}/v1/snapshot",
+                    )
+                )
+        return central
 
     # -- steps -------------------------------------------------------------------------------------
 

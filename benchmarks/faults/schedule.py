@@ -111,6 +111,10 @@ class Schedule(msgspec.Struct, frozen=True, omit_defaults=True):
     engines: tuple[EngineSpec, ...]
     steps: tuple[Step, ...]
     prefix_seed: int = 0  # the shared system prompts every engine's requests draw on
+    # Connect mode, in process: a `kvindex sidecar` per pod between its engines and kvindex (kvindex
+    # dials the sidecar's sockets and loads its snapshots); the sidecar's ring and PUB high-water mark
+    # are SIDECAR_RING and the engine's, so kvindex's own gaps outgrow the sidecar's ring.
+    sidecars: bool = False
 
     def engine(self, name: str) -> EngineSpec:
         return next(spec for spec in self.engines if spec.name == name)

@@ -18,9 +18,18 @@ from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest.counters import Counters
 from kvindex.indexer.ingest.heap import HeapRelease
 from kvindex.indexer.ingest.intake import Intake
+from kvindex.indexer.ingest.observer import BatchObserver
 from kvindex.indexer.ingest.pod_queues import PodQueues
 from kvindex.indexer.ingest.settings import DEFAULT_SETTINGS, IngestSettings
-from kvindex.indexer.ingest.streams import ControlItem, ReplayDone, Stream, StreamTable, WorkItem
+from kvindex.indexer.ingest.snapshot_fetcher import SnapshotFetcher, SnapshotResult
+from kvindex.indexer.ingest.streams import (
+    ControlItem,
+    ReplayDone,
+    SnapshotDone,
+    Stream,
+    StreamTable,
+    WorkItem,
+)
 from kvindex.indexer.ingest.worker import StreamWorker
 from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
@@ -82,6 +91,9 @@ class IngestService:
 
     `release_heap`: called to hand freed heap pages back to the OS after ingest bursts (the process shell
     supplies glibc's malloc_trim where it exists); None leaves that to the allocator.
+
+    `observer`: told of every applied batch (with its payload bytes) and every clear, in stream order, on
+    the pod's worker thread (the sidecar relays its engine's stream through it; see observer.py).
     """
 
     def __init__(
@@ -92,6 +104,7 @@ class IngestService:
         listen: str | Sequence[str] | None = None,
         settings: IngestSettings = DEFAULT_SETTINGS,
         release_heap: Callable[[], object] | None = None,
+        observer: BatchObserver | None = None,
     ) -> None:
         self.settings = settings
         self.listen: tuple[str, ...] = (listen,) if isinstance(listen, str) else tuple(listen or ())
@@ -108,7 +121,14 @@ class IngestService:
             if "@" in pod.pod_id:
                 raise ValueError(f"pod id {pod.pod_id!r} must not contain '@'")
             ref = PodRef(pod.pod_id, pod.dp_rank)
-            stream = Stream(ref, pod.model, pod.endpoint, pod.replay_endpoint, connect_mode=True)
+            stream = Stream(
+                ref,
+                pod.model,
+                pod.endpoint,
+                pod.replay_endpoint,
+                connect_mode=True,
+                snapshot_url=pod.snapshot_url,
+            )
             self._streams.add_connect(f"pod:{pod.pod_id}:{pod.dp_rank}", stream)
         self._counters = Counters()
         # Bind-mode source id -> the resolved address engines dial (what their status shows).
@@ -130,6 +150,11 @@ class IngestService:
             timeout_s=settings.replay_timeout_s,
             max_in_flight=settings.max_concurrent_replays,
         )
+        self._snapshot_fetcher = SnapshotFetcher(
+            self._on_snapshot_result,
+            timeout_s=settings.snapshot_timeout_s,
+            max_bytes=settings.snapshot_max_bytes,
+        )
         self._worker = StreamWorker(
             settings,
             self._streams,
@@ -140,6 +165,8 @@ class IngestService:
             self._heap,
             self._queues.depth,
             self._fetcher,
+            self._snapshot_fetcher,
+            observer,
         )
         self._intake = Intake(settings, self._streams, self.models.names(), self._queues, self._counters)
         self._subscriber = Subscriber(
@@ -190,6 +217,7 @@ class IngestService:
 
         subscriber_stopped = self._subscriber.stop(left())
         fetcher_stopped = self._fetcher.stop(left())
+        self._snapshot_fetcher.stop()
         workers_stopped = self._queues.stop(left()) if was_running else True
         if self._watch_thread is not None:
             self._watch_thread.join(left())
@@ -271,6 +299,16 @@ class IngestService:
             disconnected_for_s=now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
         )
 
+    def view_flagged(self, ref: PodRef) -> bool:
+        """Whether the stream `ref`'s view may miss history (partial_view or resyncing); cheap."""
+        stream = self._streams.get(ref)
+        return stream is not None and (stream.tracker.partial_view or stream.tracker.resyncing)
+
+    def hash_check_counts(self, ref: PodRef) -> tuple[int, int]:
+        """(BlockStored events hash-checked, mismatches found) on the stream `ref`; (0, 0) if unknown."""
+        stream = self._streams.get(ref)
+        return (0, 0) if stream is None else (stream.hash_checks_total, stream.hash_mismatches_total)
+
     def _status(self, stream: Stream, now: float) -> PodStatus:
         tracker = stream.tracker
         return PodStatus(
@@ -315,6 +353,11 @@ class IngestService:
         waits for it)."""
         ref, token = cast(tuple[PodRef, int], key)
         self._queues.submit(ref.pod_id, ReplayDone(ref, token, result), force=True)
+
+    def _on_snapshot_result(self, key: Hashable, result: SnapshotResult) -> None:
+        """On a snapshot pool thread: the answer joins the pod's ordered queue."""
+        ref, token = cast(tuple[PodRef, int], key)
+        self._queues.submit(ref.pod_id, SnapshotDone(ref, token, result), force=True)
 
     def _watch(self) -> None:
         """Probes and the idle heap release. A stream is probed once it has been quiet for

@@ -52,6 +52,12 @@ class IngestSettings(msgspec.Struct, frozen=True):
     # Bind mode: replay endpoint of a pod that dialled in, from its topic `kv@<pod>@<model>`;
     # placeholders {pod}, {model}; vLLM's DP port offset is applied for ranks > 0. None: no replay.
     listen_replay_template: str | None = None
+    # Bind mode: the snapshot URL of a pod that dialled in (its sidecar's GET /v1/snapshot), same
+    # placeholders, no DP offset (one sidecar serves every rank of its pod). None: no snapshots.
+    listen_snapshot_template: str | None = None
+    # A sidecar snapshot load fails after this long without data, or past this many bytes.
+    snapshot_timeout_s: float = 5.0
+    snapshot_max_bytes: int = 256 << 20
     rcvhwm: int = 100_000  # per SUB socket; a full one drops at the PUB (repaired by replay)
     # A larger message makes ZMQ drop its sender's connection before reading it (vLLM's batches are a few
     # KB to a few MB: one engine step's events).

@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 from kvindex.indexer.decode import DecodedBatch
 from kvindex.indexer.events import PodRef
+from kvindex.indexer.ingest.snapshot_fetcher import SnapshotResult
 from kvindex.replay.replay_client import ReplayResult
 from kvindex.replay.sequence import SequenceTracker
 
@@ -40,7 +41,15 @@ class ReplayDone(msgspec.Struct, frozen=True):
     result: ReplayResult
 
 
-WorkItem = LiveItem | ControlItem | ReplayDone
+class SnapshotDone(msgspec.Struct, frozen=True):
+    """A snapshot load's answer, from the snapshot fetcher's pool back onto the pod's ordered queue."""
+
+    ref: PodRef
+    token: int  # shares the stream's replay_token: one outstanding request of either kind
+    result: SnapshotResult
+
+
+WorkItem = LiveItem | ControlItem | ReplayDone | SnapshotDone
 
 # What the tracker carries per seq: the batch decoded without token ids and its payload (decoded again
 # in full only when the hash check samples it), or None when the payload could not be decoded (its seq
@@ -53,12 +62,26 @@ class Stream:
     except for plain attribute reads by the service's status and the poller's link flags."""
 
     def __init__(
-        self, ref: PodRef, model: str, endpoint: str, replay_endpoint: str | None, *, connect_mode: bool
+        self,
+        ref: PodRef,
+        model: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        *,
+        connect_mode: bool,
+        snapshot_url: str | None = None,
     ) -> None:
         self.ref = ref
         self.model = model
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        # A sidecar's GET /v1/snapshot: joins and gaps older than the ring load it (exact, not flagged).
+        self.snapshot_url = snapshot_url
+        # The sidecar_id of the last snapshot loaded (a new one: the sidecar restarted).
+        self.snapshot_id: str | None = None
+        self.snapshots_loaded = 0
+        # An AllBlocksCleared arrived from the sidecar: load its snapshot (for its partial flag) next.
+        self.snapshot_check_due = False
         # Connect mode: kvindex dials this stream's own SUB (its link state is this stream's). Bind mode:
         # the engine dialled a shared bound SUB, and ZMQ does not say which engine a link event is for.
         self.connect_mode = connect_mode
@@ -90,7 +113,10 @@ class Stream:
         self.counted = (0, 0, 0)
         # The stream's outstanding replay request (answers carrying another token are stale).
         self.replay_token = 0
+        self.hash_checks_total = 0
         self.hash_mismatches_total = 0
+        # Mismatches its sidecar reported in the last snapshot (already in hash_mismatches_total).
+        self.sidecar_hash_mismatches = 0
         self.hash_mismatch = False
         self.logged: set[str] = set()
 
@@ -103,7 +129,9 @@ class Stream:
 
     def new_tracker(self) -> SequenceTracker[TrackedBatch]:
         """A fresh sequence tracker for this stream (at creation, and when its past is let go)."""
-        return SequenceTracker(replayable=self.replay_endpoint is not None)
+        return SequenceTracker(
+            replayable=self.replay_endpoint is not None, snapshot=self.snapshot_url is not None
+        )
 
 
 class StreamTable:

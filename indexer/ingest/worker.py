@@ -32,11 +32,14 @@ from kvindex.indexer.hash_check import (
 )
 from kvindex.indexer.ingest.counters import Counters
 from kvindex.indexer.ingest.heap import HeapRelease
+from kvindex.indexer.ingest.observer import BatchObserver
 from kvindex.indexer.ingest.settings import IngestSettings
+from kvindex.indexer.ingest.snapshot_fetcher import SnapshotFetcher
 from kvindex.indexer.ingest.streams import (
     ControlItem,
     LiveItem,
     ReplayDone,
+    SnapshotDone,
     Stream,
     StreamTable,
     TrackedBatch,
@@ -44,6 +47,7 @@ from kvindex.indexer.ingest.streams import (
 )
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
+from kvindex.indexer.snapshot import RankSnapshot, SnapshotError, check_snapshot_for
 from kvindex.replay.endpoints import endpoint_problem, offset_endpoint_port
 from kvindex.replay.replay_fetcher import ReplayFetcher
 from kvindex.replay.sequence import (
@@ -52,10 +56,14 @@ from kvindex.replay.sequence import (
     Apply,
     ClearPod,
     FetchReplay,
+    FetchSnapshot,
     ReplayedItem,
 )
 
 log = logging.getLogger("kvindex.indexer.ingest")
+
+# Keys per BlocksStored when a snapshot is loaded into the index (bounds one apply step's size).
+_SNAPSHOT_CHUNK = 4096
 
 # A payload's digest for the sequence tracker (a duplicate vs a restarted engine's new batch): xxh3 runs
 # several times faster than zlib's crc32 over these payloads.
@@ -93,6 +101,8 @@ class StreamWorker:
         heap: HeapRelease,
         queue_depth: Callable[[], int],
         fetcher: ReplayFetcher,
+        snapshot_fetcher: SnapshotFetcher | None = None,
+        observer: BatchObserver | None = None,
     ) -> None:
         self._settings = settings
         self._streams = streams
@@ -104,6 +114,8 @@ class StreamWorker:
         self._heap = heap
         self._queue_depth = queue_depth
         self._fetcher = fetcher
+        self._snapshot_fetcher = snapshot_fetcher
+        self._observer = observer
         self._sampler = HashCheckSampler(settings.hash_check_every)
 
     def handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
@@ -120,6 +132,8 @@ class StreamWorker:
                         self._handle_replay_done(item, acc)
                     elif type(item) is ControlItem:
                         self._handle_control(item, acc)
+                    elif type(item) is SnapshotDone:
+                        self._handle_snapshot_done(item, acc)
                 except Exception:
                     log.exception("ingest worker failed on an item of pod %s", pod_id)
         finally:
@@ -142,6 +156,8 @@ class StreamWorker:
             self._perform(stream, actions, acc)
         else:
             self._sync_counts(stream)  # a duplicate, or held while a replay is out
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
 
     def _handle_control(self, item: ControlItem, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)
@@ -175,6 +191,8 @@ class StreamWorker:
         self._flush(stream, acc)
         self._sync_counts(stream)
         cleared = self._models[stream.model].index.clear_pod(stream.ref)
+        if self._observer is not None:
+            self._observer.on_clear(stream.ref, "model")
         log.warning(
             "pod %s rank %d: now publishes model %s (was %s); dropped its %d entries and joins again",
             stream.ref.pod_id,
@@ -191,6 +209,8 @@ class StreamWorker:
         self._flush(stream, acc)
         self._sync_counts(stream)
         cleared = self._models[stream.model].index.clear_pod(stream.ref)
+        if self._observer is not None:
+            self._observer.on_clear(stream.ref, "forget")
         self._reset_stream(stream)
         log.warning(
             "pod %s rank %d: disconnected for %.0f s; dropped its %d entries (its return is a fresh join)",
@@ -202,9 +222,9 @@ class StreamWorker:
 
     def _handle_replay_done(self, item: ReplayDone, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)
-        if stream is None or item.token != stream.replay_token or stream.tracker.awaiting is None:
+        request = None if stream is None else stream.tracker.awaiting
+        if stream is None or item.token != stream.replay_token or not isinstance(request, FetchReplay):
             return  # the answer to a request the stream no longer waits for
-        request = stream.tracker.awaiting
         result = item.result
         pod = stream.ref
         for reason, n in result.bad_frames.items():
@@ -261,6 +281,97 @@ class StreamWorker:
             else []
         )
         self._perform(stream, stream.tracker.on_replay(replayed, result.complete), acc)
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
+
+    def _handle_snapshot_done(self, item: SnapshotDone, acc: _Accumulator) -> None:
+        """Replace the stream's entries with its sidecar's snapshot and go on after the snapshot's seq;
+        a snapshot that cannot be used falls back to the replay path (counted, logged with why)."""
+        stream = self._streams.get(item.ref)
+        request = None if stream is None else stream.tracker.awaiting
+        if stream is None or item.token != stream.replay_token or not isinstance(request, FetchSnapshot):
+            return
+        pod = stream.ref
+        result = item.result
+        try:
+            if result.snapshot is None:
+                raise SnapshotError(result.error or "no snapshot")
+            rank = check_snapshot_for(result.snapshot, pod.pod_id, stream.model, pod.dp_rank)
+            block_size = self._models[stream.model].config.block_size
+            if result.snapshot.block_size != block_size:
+                raise SnapshotError(
+                    f"the snapshot's block size {result.snapshot.block_size} is not the model's {block_size}"
+                )
+        except SnapshotError as exc:
+            outcome = "wrong_pod" if result.outcome == "ok" else result.outcome
+            self._counters.add_to("snapshots", outcome)
+            log.warning(
+                "pod %s rank %d: %s snapshot not loaded (%s); falling back to the replay ring",
+                pod.pod_id,
+                pod.dp_rank,
+                request.purpose,
+                exc,
+            )
+            self._perform(stream, stream.tracker.on_snapshot_failed(), acc)
+            return
+        self._flush(stream, acc)
+        self._load_snapshot(stream, rank)
+        new_id = result.snapshot.sidecar_id
+        if stream.snapshot_id is not None and new_id != stream.snapshot_id:
+            log.warning(
+                "pod %s rank %d: its sidecar restarted (snapshot id %s, was %s)",
+                pod.pod_id,
+                pod.dp_rank,
+                new_id,
+                stream.snapshot_id,
+            )
+        stream.snapshot_id = new_id
+        stream.snapshots_loaded += 1
+        self._counters.add_to("snapshots", "ok")
+        stream.snapshot_check_due = False  # this load is the check; clears it applies may ask again
+        self._perform(stream, stream.tracker.on_snapshot(rank.seq, partial=rank.partial), acc)
+        if stream.snapshot_check_due:
+            self._check_snapshot(stream, acc)
+
+    def _load_snapshot(self, stream: Stream, rank: RankSnapshot) -> None:
+        """The stream's entries become the snapshot's blocks (a block held n times is stored n times)."""
+        pod = stream.ref
+        index = self._models[stream.model].index
+        cleared = index.clear_pod(pod)
+        if self._observer is not None:
+            self._observer.on_clear(pod, "snapshot")
+        events: list[KVEvent] = []
+        num_blocks = 0
+        for tier in rank.tiers:
+            keys = tier.block_hashes
+            num_blocks += len(keys)
+            rounds = [keys]
+            if tier.copies:
+                for n in range(2, max(tier.copies) + 1):
+                    rounds.append([k for k, c in zip(keys, tier.copies, strict=True) if c >= n])
+            for round_keys in rounds:
+                for start in range(0, len(round_keys), _SNAPSHOT_CHUNK):
+                    chunk = tuple(round_keys[start : start + _SNAPSHOT_CHUNK])
+                    events.append(BlocksStored(chunk, None, (), 0, tier=tier.tier))
+        if events:
+            index.apply(pod, events)
+        stream.indexed_seq = rank.seq
+        # The sidecar recomputes every block's hashes: its mismatches are this pod's.
+        new_mismatches = rank.hash_mismatches_total - stream.sidecar_hash_mismatches
+        if new_mismatches > 0:
+            stream.hash_mismatches_total += new_mismatches
+            stream.hash_mismatch = True
+            self._counters.add("hash_mismatches", new_mismatches)
+        stream.sidecar_hash_mismatches = rank.hash_mismatches_total
+        log.info(
+            "pod %s rank %d: loaded its sidecar's snapshot at seq %s: %d blocks (%d entries replaced)%s",
+            pod.pod_id,
+            pod.dp_rank,
+            rank.seq,
+            num_blocks,
+            cleared,
+            ", partial at the sidecar" if rank.partial else "",
+        )
 
     def _bind_stream(self, pod_id: str, model: str, decoded: TrackedBatch, source_id: str) -> Stream:
         rank = decoded[0].batch.dp_rank if decoded is not None and decoded[0].batch.dp_rank is not None else 0
@@ -270,7 +381,13 @@ class StreamWorker:
             return stream
         replay_endpoint = self._bind_replay_endpoint(pod_id, model, rank)
         endpoint = self._listen_sources.get(source_id, "")
-        stream = self._streams.add_bound(Stream(ref, model, endpoint, replay_endpoint, connect_mode=False))
+        snapshot_template = self._settings.listen_snapshot_template
+        snapshot_url = (
+            None if snapshot_template is None else snapshot_template.format(pod=pod_id, model=model)
+        )
+        stream = self._streams.add_bound(
+            Stream(ref, model, endpoint, replay_endpoint, connect_mode=False, snapshot_url=snapshot_url)
+        )
         log.info(
             "pod %s dp rank %d (model %s) dialled in; replay endpoint %s",
             pod_id,
@@ -318,6 +435,13 @@ class StreamWorker:
                 self._counters.add_to("dropped", reason, n)
         return decoded, payload
 
+    def _check_snapshot(self, stream: Stream, acc: _Accumulator) -> None:
+        """An AllBlocksCleared came from a sidecar: load its snapshot once nothing else is outstanding."""
+        actions = stream.tracker.begin_snapshot_check()
+        if actions:
+            stream.snapshot_check_due = False
+            self._perform(stream, actions, acc)
+
     def _perform(
         self, stream: Stream, actions: list[Action[TrackedBatch]], acc: _Accumulator, *, delay_s: float = 0.0
     ) -> None:
@@ -353,6 +477,9 @@ class StreamWorker:
                 elif isinstance(action, FetchReplay):
                     self._flush(stream, acc)  # what we have is indexed while the replay runs
                     next_actions = self._request_replay(stream, action, delay_s)
+                elif isinstance(action, FetchSnapshot):
+                    self._flush(stream, acc)
+                    next_actions = self._request_snapshot(stream)
             actions = next_actions
 
     def _request_replay(
@@ -381,9 +508,19 @@ class StreamWorker:
         )
         return []
 
+    def _request_snapshot(self, stream: Stream) -> list[Action[TrackedBatch]]:
+        """Hand the load to the snapshot fetcher (its answer returns as a SnapshotDone)."""
+        if stream.snapshot_url is None or self._snapshot_fetcher is None:
+            return stream.tracker.on_snapshot_failed()
+        stream.replay_token += 1
+        self._snapshot_fetcher.request((stream.ref, stream.replay_token), stream.snapshot_url)
+        return []
+
     def _clear(self, stream: Stream, action: ClearPod) -> None:
         pod = stream.ref
         cleared = self._models[stream.model].index.clear_pod(pod)
+        if self._observer is not None:
+            self._observer.on_clear(pod, action.reason)
         stream.indexed_seq = None
         if action.reason == "restart":
             self._counters.add("restarts")
@@ -423,6 +560,7 @@ class StreamWorker:
         if kept is None:
             kept = acc.pending[stream] = []
         cleared = False
+        first_kept = len(kept)
         for pos, event in enumerate(batch.batch.events):
             if type(event) is BlocksStored:
                 spec_kind = event.spec_kind
@@ -452,6 +590,11 @@ class StreamWorker:
         if cleared:
             self._flush(stream, acc)
             stream.tracker.view_complete()
+            # From a sidecar, a clear may be its own (the engine restarted, or its history was lost
+            # before the sidecar saw it): its snapshot says whether the sidecar's view is whole.
+            stream.snapshot_check_due = stream.snapshot_url is not None
+        if self._observer is not None:  # after view_complete: the observer reads the stream's flags
+            self._observer.on_batch(stream.ref, seq, payload, kept[first_kept:])
 
     def _flush(self, stream: Stream, acc: _Accumulator) -> None:
         events = acc.pending.pop(stream, None)
@@ -514,7 +657,10 @@ class StreamWorker:
         # A batch the two decoders read differently (an event only one of them dropped): skip the check.
         if not isinstance(full, BlocksStored) or full.block_keys != event.block_keys:
             return
-        if not is_checkable(full, config.block_size) or hashes_agree(full, runtime.hasher):
+        if not is_checkable(full, config.block_size):
+            return
+        stream.hash_checks_total += 1
+        if hashes_agree(full, runtime.hasher):
             return
         stream.hash_mismatches_total += 1
         stream.hash_mismatch = True

@@ -38,6 +38,7 @@ POD_KEYS = {
     "model": "model",
     "replay_endpoint": "replay",
     "dp_rank": "dp_rank",
+    "snapshot_url": "snapshot",
 }
 
 
