@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
+import msgspec
 from kvindex.indexer.events import KVEvent, PodRef
 from kvindex.indexer.index import ApplyStats, Entry, HolderIds, Holders
 
@@ -31,6 +32,24 @@ class LeaseLost(Exception):
     def __init__(self, pod: PodRef) -> None:
         super().__init__(f"pod {pod.pod_id} rank {pod.dp_rank}: ingest lease not held")
         self.pod = pod
+
+
+class LeaseView(msgspec.Struct, frozen=True):
+    """One pod's lease as a lease tick left it: its holder's token ('' = free) and the state its owner
+    last published ('' = none)."""
+
+    token: str
+    state: str
+
+
+class LeaseClaim(msgspec.Struct, frozen=True):
+    """What a replica asks of one pod's lease in a tick: renew `held` (if still ours), take it if free and
+    `want`, and publish `state` (its ingest state, if it owns the pod)."""
+
+    pod: PodRef
+    held: str | None
+    want: bool
+    state: str = ""
 
 
 class Store(Protocol):
@@ -79,3 +98,25 @@ class Store(Protocol):
     def snapshot_copies(self) -> dict[int, dict[Entry, int]]: ...
 
     def check_consistency(self) -> list[str]: ...
+
+
+class LeaseStore(Store, Protocol):
+    """A store shared by several replicas, which also keeps each pod's ingest lease (the Redis store).
+
+    The lease manager (indexer/ingest/leases.py) calls `lease_tick` for every pod of the model once per
+    tick, and `set_fence` with the lease it holds; with `require_fences` on, `apply` and `clear_pod` of a
+    pod raise LeaseLost, atomically with the write, unless the store's lease is still that token."""
+
+    def generation(self) -> str: ...
+
+    def require_fences(self) -> None: ...
+
+    def set_fence(self, pod: PodRef, token: str | None) -> None: ...
+
+    def lease_tick(
+        self, replica_id: str, ttl_ms: int, claims: Sequence[LeaseClaim]
+    ) -> tuple[list[str], list[LeaseView]]: ...
+
+    def release_lease(self, pod: PodRef, token: str) -> None: ...
+
+    def pod_block_counts(self) -> dict[PodRef, int]: ...

@@ -22,7 +22,7 @@ import msgspec
 import redis
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
 from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys
-from kvindex.indexer.store import LeaseLost, StoreReset, StoreUnavailable
+from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
 from kvindex.indexer.stores import redis_scripts
 
 # The errors redis-py raises for a server that cannot be reached or does not answer in time.
@@ -30,24 +30,6 @@ _DOWN: Final = (redis.ConnectionError, redis.TimeoutError, OSError)
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _ENTRY_NAME = msgspec.json.Encoder()
 _ENTRY_DECODE = msgspec.json.Decoder(tuple[str, int, str])
-
-
-class LeaseView(msgspec.Struct, frozen=True):
-    """One pod's lease as a lease tick left it: its holder's token ('' = free) and the state its owner
-    last published ('' = none)."""
-
-    token: str
-    state: str
-
-
-class LeaseClaim(msgspec.Struct, frozen=True):
-    """What a replica asks of one pod's lease in a tick: renew `held` (if still ours), take it if free and
-    `want`, and publish `state` (its ingest state, if it owns the pod)."""
-
-    pod: PodRef
-    held: str | None
-    want: bool
-    state: str = ""
 
 
 def prefix_of(model: str) -> str:
