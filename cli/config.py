@@ -40,7 +40,7 @@ class StoreSettings(msgspec.Struct, frozen=True):
 
     url: str | None = None
     num_shards: int = 1 << 16
-    socket_timeout_s: float = 2.0
+    socket_timeout_s: float = 5.0
 
 
 _STORE = StoreSettings()

@@ -300,19 +300,34 @@ return c
 """
 )
 
-# ARGV: P, gen, nshards, the prompt's keys (one string of 8-byte keys). Returns {gen, holders...}, stopping
-# at the first key nobody holds. Read-only: never reorders an LRU.
+# ARGV: P, gen, nshards, the prompt's keys (one string of 8-byte keys). Returns {gen, holders, run length,
+# holders, run length, ...}: consecutive blocks with the same holders as one run (a shared prefix is held by
+# the same pods block after block), stopping at the first key nobody holds. Read-only: never reorders an
+# LRU.
 LOOKUP: Final = (
     "#!lua flags=no-writes\n"
     + _COMMON
     + r"""
 local out = {redis.call('GET', P .. 'gen') or ''}
 local blob = ARGV[4]
+local last, run = nil, 0
 for i = 1, #blob, 8 do
   local k = string.sub(blob, i, i + 7)
   local v = redis.call('HGET', P .. 'h:' .. shard_of(k), k)
   if not v then break end
-  out[#out + 1] = v
+  if v == last then
+    run = run + 1
+  else
+    if last then
+      out[#out + 1] = last
+      out[#out + 1] = run
+    end
+    last, run = v, 1
+  end
+end
+if last then
+  out[#out + 1] = last
+  out[#out + 1] = run
 end
 return out
 """

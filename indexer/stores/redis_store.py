@@ -308,13 +308,15 @@ class RedisStore:
         if len(parsed) > _MAX_PARSED:
             parsed.clear()
         result: list[HolderIds] = []
-        append = result.append
-        for raw in out[1:]:
+        distinct: set[HolderIds] = set()
+        for pos in range(1, len(out), 2):
+            raw = out[pos]
             ids = parsed.get(raw)
             if ids is None:
                 ids = parsed[raw] = _parse_holders(raw)
-            append(ids)
-        self._resolve({i for ids in set(result) for i in ids})
+            distinct.add(ids)
+            result += [ids] * out[pos + 1]
+        self._resolve({i for ids in distinct for i in ids})
         if pods is None:
             return result
         entries = self._entries
@@ -489,7 +491,7 @@ def _parse_copies(raw: bytes) -> dict[int, int]:
     return copies
 
 
-def connect(url: str, *, socket_timeout_s: float = 2.0) -> redis.Redis:
+def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """A client for `redis://HOST:PORT/DB` or `rediss://...` (TLS), with timeouts so an unreachable store
     fails a call in bounded time instead of hanging a worker."""
     return redis.Redis.from_url(

@@ -47,7 +47,8 @@ def index(request: pytest.FixtureRequest) -> Iterator[Store]:
     import redis
     from kvindex.indexer.stores.redis_store import RedisStore
 
-    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    # A generous timeout: the 1-shard-large cases store a million keys in one script call.
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=120)
     yield RedisStore(client, "model-x", **CONFIGS[config])
     client.close()
 
