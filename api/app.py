@@ -24,6 +24,7 @@ from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
 from kvindex.api.status_page import StatusPage
 from kvindex.indexer.status import IngestView
+from kvindex.indexer.store import StoreUnavailable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except RequestError as exc:
         response = error_response(exc.status, str(exc))
+    except StoreUnavailable as exc:
+        # A shared store (Redis) that cannot be reached: the answer would be a guess.
+        response = error_response(503, f"store: {exc}")
     except web.HTTPException as exc:
         response = _http_exception_response(request, exc)
     except asyncio.CancelledError:

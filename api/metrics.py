@@ -25,6 +25,7 @@ from kvindex.indexer.status import (
     IngestCounters,
     PodStatus,
 )
+from kvindex.indexer.store import StoreUnavailable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -190,9 +191,16 @@ def pod_families(statuses: Sequence[PodStatus]) -> list[Metric]:
             "kvindex_pod_restarts", "Engine restarts detected, per stream.", labels=_STREAM_LABELS
         ),
     }
+    owner = GaugeMetricFamily(
+        "kvindex_pod_owner",
+        "Always 1; `owner` is the replica holding the pod's ingest lease (replicas sharing a store only).",
+        labels=[*_STREAM_LABELS, "owner"],
+    )
     for status in statuses:
         stream = [status.pod, str(status.dp_rank), status.model]
         info.add_metric([*stream, status.endpoint], 1.0)
+        if status.owner is not None:
+            owner.add_metric([*stream, status.owner], 1.0)
         if status.last_event_age_s is not None:
             age.add_metric(stream, status.last_event_age_s)
         if status.last_seq is not None:
@@ -203,7 +211,7 @@ def pod_families(statuses: Sequence[PodStatus]) -> list[Metric]:
             state.add_metric([*stream, name], 1.0 if status.state == name else 0.0)
         for field_name, family in per_stream.items():
             family.add_metric(stream, getattr(status, field_name))
-    return [info, age, state, blocks, last_seq, partial, *per_stream.values()]
+    return [info, age, state, blocks, last_seq, partial, owner, *per_stream.values()]
 
 
 class IngestCollector(Collector):
@@ -218,7 +226,17 @@ class IngestCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from ingest_counter_families(self._source.counters())
-        yield from pod_families(self._source.pod_statuses())
+        store_up = GaugeMetricFamily(
+            "kvindex_store_up", "1 if the index's store answered this scrape (0: unreachable)."
+        )
+        try:
+            yield from pod_families(self._source.pod_statuses())
+        except StoreUnavailable:
+            store_up.add_metric([], 0.0)
+            yield store_up
+            return  # every family below reads the store
+        store_up.add_metric([], 1.0)
+        yield store_up
 
         info = GaugeMetricFamily(
             "kvindex_model_info",
@@ -235,8 +253,11 @@ class IngestCollector(Collector):
                 continue
             config = runtime.config
             info.add_metric([model_name, str(config.block_size), config.hash_algo], 1.0)
-            keys.add_metric([model_name], runtime.index.num_keys())
-            entries.add_metric([model_name], runtime.index.num_entries())
+            try:
+                keys.add_metric([model_name], runtime.index.num_keys())
+                entries.add_metric([model_name], runtime.index.num_entries())
+            except StoreUnavailable:
+                pass  # the store went away between two reads: these two are absent this scrape
         yield info
         yield keys
         yield entries

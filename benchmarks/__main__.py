@@ -24,7 +24,7 @@ from benchmarks.compare import SubjectResult, build, run_pair
 from benchmarks.dynamo import available
 from benchmarks.workload import WorkloadSpec
 
-WORKLOADS = ("ingest", "score", "memory", "hashing", "scale")
+WORKLOADS = ("ingest", "score", "memory", "hashing", "scale", "store")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 # Issue-6 targets: (kvindex / baseline) must be >= or <= this.
 TARGET_INGEST = 1.0
@@ -276,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "== hashing: blocks/s of 8192-token prompts, kvindex BlockHasher vs vLLM's formula (same process)"
         )
         print(format_table(["algo", "workload", "vLLM blocks/s", "kvindex blocks/s", "speed-up"], rows))
+
+    if "store" in args.only:
+        from benchmarks import store
+
+        log("store: memory vs Redis ...")
+        report["store"] = store.run(args.quick, 2.0 if args.quick else 10.0)
 
     if "scale" in args.only:
         pod_counts, blocks_per_pod, num_queries = (

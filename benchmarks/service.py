@@ -117,8 +117,11 @@ class KvindexService(ManagedProcess):
         startup_timeout_s: float = 60.0,
         replay_endpoints: Sequence[str | None] | None = None,
         ingest: Mapping[str, int | float] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
+        """`extra_args`: more `kvindex serve` flags (e.g. `--store URL --replica-id r1`)."""
         self.endpoints = list(endpoints)
+        self.extra_args = list(extra_args)
         self.replay_endpoints = None if replay_endpoints is None else list(replay_endpoints)
         self.ingest = dict(ingest or {})
         self.model = model
@@ -161,7 +164,7 @@ class KvindexService(ManagedProcess):
             "--config",
             str(config_path),
         ]
-        command += ["--log-level", "warning"]
+        command += ["--log-level", "warning", *self.extra_args]
         self._process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=self._log, env=dict(os.environ, PYTHONUNBUFFERED="1")
         )
@@ -200,6 +203,13 @@ class KvindexService(ManagedProcess):
         if self._config_dir is not None:
             self._config_dir.cleanup()
             self._config_dir = None
+
+    def kill(self) -> None:
+        """SIGKILL (no lease released, nothing flushed: a crashed replica), then clean up."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self.stop()
 
     def _client(self) -> JsonClient:
         assert self.client is not None, "not started"

@@ -19,8 +19,12 @@ from kvindex.cli.main import CliError
 from kvindex.hashing.algorithms import HASH_ALGOS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvindex.cli.config import ServeConfig
     from kvindex.indexer.ingest import IngestService
+    from kvindex.indexer.model import ModelConfig
+    from kvindex.indexer.store import Store
 
 logger = logging.getLogger("kvindex.serve")
 
@@ -90,6 +94,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "default: the KVINDEX_API_KEY environment variable, then the config file's api_key, else none. "
         "Prefer the variable: a flag shows in ps",
     )
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        help="keep the index in Redis/Valkey (redis://HOST:PORT/DB, rediss:// for TLS), shared by every "
+        "replica given the same URL and pods; each pod is ingested by the replica holding its lease. "
+        "Default: in memory, in this process",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="with --store: another replica takes a pod over once its owner has not renewed the pod's "
+        "lease for this long (default 10)",
+    )
+    parser.add_argument(
+        "--replica-id",
+        metavar="ID",
+        help="with --store: this replica's name in leases and /v1/pods; unset: host:pid",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML file with models, pods, tiers, limits, ingest")
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log verbosity (default info)"
@@ -117,10 +140,33 @@ def run(args: argparse.Namespace) -> int:
             listen=config.listen,
             settings=config.ingest,
             release_heap=process.heap_releaser(),
+            store_factory=_store_factory(config),
         )
     except ValueError as exc:
         raise CliError(f"cannot set up ingest: {exc}") from None
     return asyncio.run(_serve(service, config))
+
+
+def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None:
+    """Each model's Redis store (one client shared by all), or None for the in-memory index. The
+    store need not be reachable yet: replicas start before it, and wait (503) until it answers."""
+    if config.store.url is None:
+        return None
+    from kvindex.indexer.stores.redis_store import RedisStore, connect
+
+    client = connect(config.store.url, socket_timeout_s=config.store.socket_timeout_s)
+    ingest = config.ingest
+
+    def make(model: ModelConfig) -> Store:
+        return RedisStore(
+            client,
+            model.name,
+            num_shards=config.store.num_shards,
+            max_keys=ingest.index_max_keys,
+            max_pods_per_key=ingest.index_max_pods_per_key,
+        )
+
+    return make
 
 
 def _log_settings(service: IngestService, config: ServeConfig) -> None:
@@ -144,6 +190,13 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
             root,
             ",".join(str(group) for group in sorted(model.prefix_group_idxs)),
         )
+    if service.leases is not None:
+        logger.info(
+            "index in %s, shared by replicas; this replica is %s, lease TTL %.3g s",
+            _redacted(config.store.url or ""),
+            service.leases.replica_id,
+            config.ingest.lease_ttl_s,
+        )
     for pod in config.pods:
         logger.info(
             "pod %s dp rank %d (model %s, from %s): events %s, replay %s, snapshot %s",
@@ -162,6 +215,13 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
             bound,
             config.ingest.listen_replay_template or "none (gaps lose history)",
         )
+
+
+def _redacted(url: str) -> str:
+    """A store URL without its password (logs are read by many)."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
 
 
 def _configure_logging(level: str) -> None:

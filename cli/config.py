@@ -35,6 +35,17 @@ class ConfigError(ValueError):
     """A configuration problem, stated as one sentence saying what to fix."""
 
 
+class StoreSettings(msgspec.Struct, frozen=True):
+    """Where the index lives: in this process (url None, the default) or in a shared Redis/Valkey."""
+
+    url: str | None = None
+    num_shards: int = 1 << 16
+    socket_timeout_s: float = 5.0
+
+
+_STORE = StoreSettings()
+
+
 class ServeConfig(msgspec.Struct, frozen=True):
     models: tuple[ModelConfig, ...]
     pods: tuple[PodConfig, ...]
@@ -42,6 +53,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
     listen: tuple[str, ...]
     ingest: IngestSettings
     api: ApiSettings
+    store: StoreSettings = StoreSettings()
     log_level: str = "info"
     switch_interval_ms: float = DEFAULT_SWITCH_INTERVAL_MS
     # model name -> where its hash seed came from: "--hash-seed", "config file", "PYTHONHASHSEED" or
@@ -171,6 +183,43 @@ class _LimitsSection(msgspec.Struct, forbid_unknown_fields=True):
             ge=1,
         ),
     ] = _API.hash_in_executor_min_tokens
+
+
+class _StoreSection(msgspec.Struct, forbid_unknown_fields=True):
+    """The index's store. Unset `url`: in memory, one per process (several replicas then each consume every
+    pod: active-active). A Redis/Valkey URL: one index shared by every replica given the same URL and pod
+    list; each pod is ingested by the replica holding its lease."""
+
+    url: Annotated[
+        str | None,
+        _key(
+            "`redis://HOST:PORT/DB` or `rediss://HOST:PORT/DB` (TLS; `redis://user:pass@...` for ACLs). "
+            "Unset: the in-memory index."
+        ),
+    ] = _STORE.url
+    lease_ttl_s: Annotated[
+        float,
+        _key(
+            "A pod's ingest lease lapses when its replica has not renewed it for this long; another replica "
+            "then takes the pod over (renewed every min(1, ttl/5) s).",
+            gt=0,
+        ),
+    ] = _INGEST.lease_ttl_s
+    replica_id: Annotated[
+        str, _key("This replica's name in leases and in `/v1/pods` `owner`; empty: host:pid.")
+    ] = _INGEST.replica_id
+    num_shards: Annotated[
+        int,
+        _key(
+            "Shards of each model's index in the store (each an exact LRU of `max_keys / num_shards` keys); "
+            "keep `max_keys / num_shards` at or below Redis' hash-max-listpack-entries (128) for the "
+            "compact encoding.",
+            ge=1,
+        ),
+    ] = _STORE.num_shards
+    socket_timeout_s: Annotated[
+        float, _key("How long one store call may take before it counts as unreachable.", gt=0)
+    ] = _STORE.socket_timeout_s
 
 
 class _IngestSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -374,12 +423,15 @@ class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     tiers: _TierSection = msgspec.field(default_factory=_TierSection)
     limits: _LimitsSection = msgspec.field(default_factory=_LimitsSection)
     ingest: _IngestSection = msgspec.field(default_factory=_IngestSection)
+    store: _StoreSection = msgspec.field(default_factory=_StoreSection)
 
 
 # IngestSettings fields the [ingest] table does not carry, and where they come from instead.
 INGEST_FIELDS_ELSEWHERE = {
     "listen_replay_template": "the top-level `listen_replay` key or `--listen-replay`",
     "listen_snapshot_template": "the top-level `listen_snapshot` key or `--listen-snapshot`",
+    "lease_ttl_s": "the `[store]` table's `lease_ttl_s` or `--lease-ttl`",
+    "replica_id": "the `[store]` table's `replica_id` or `--replica-id`",
 }
 
 
@@ -488,6 +540,9 @@ class ServeArgs(Protocol):
     log_level: str | None
     min_live_pods: int | None
     api_key: str | None
+    store: str | None
+    lease_ttl: float | None
+    replica_id: str | None
 
 
 def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
@@ -532,10 +587,21 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     )
     if api.min_live_pods < 0:  # --min-live-pods (the file's value is bounded on load)
         raise ConfigError(f"--min-live-pods must be >= 0, got {api.min_live_pods}")
+    lease_ttl_s = args.lease_ttl if args.lease_ttl is not None else file.store.lease_ttl_s
+    if not lease_ttl_s > 0:
+        raise ConfigError(f"--lease-ttl must be > 0 seconds, got {lease_ttl_s}")
     ingest = IngestSettings(
         listen_replay_template=listen_replay,
         listen_snapshot_template=listen_snapshot,
+        lease_ttl_s=lease_ttl_s,
+        replica_id=args.replica_id if args.replica_id is not None else file.store.replica_id,
         **msgspec.structs.asdict(file.ingest),
+    )
+    store_url = args.store or file.store.url
+    if store_url is not None and not store_url.startswith(("redis://", "rediss://")):
+        raise ConfigError(f"--store must be redis://HOST:PORT/DB or rediss://HOST:PORT/DB, got {store_url!r}")
+    store = StoreSettings(
+        url=store_url, num_shards=file.store.num_shards, socket_timeout_s=file.store.socket_timeout_s
     )
 
     log_level = (args.log_level or file.log_level).lower()
@@ -553,6 +619,7 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         listen=listen,
         ingest=ingest,
         api=api,
+        store=store,
         log_level=log_level,
         seed_sources=seed_sources,
         api_key_source=api_key_source,

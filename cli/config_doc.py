@@ -160,6 +160,10 @@ def sections() -> list[tuple[str, type[msgspec.Struct]]]:
 # --- the flags ----------------------------------------------------------------------------------
 
 
+# `kvindex serve` flags that set a key of the [store] table: argparse dest -> key.
+STORE_FLAGS = {"store": "url", "lease_ttl": "lease_ttl_s", "replica_id": "replica_id"}
+
+
 def serve_flag_key(dest: str) -> tuple[str, str] | None:
     """(section heading, key) a `kvindex serve` flag sets (`dest` is argparse's; key "" for a whole
     entry), or None for a flag with no TOML key."""
@@ -167,6 +171,8 @@ def serve_flag_key(dest: str) -> tuple[str, str] | None:
         return "[[models]]", "name"
     if dest == "pod":
         return "[[pods]]", ""
+    if dest in STORE_FLAGS:
+        return "[store]", STORE_FLAGS[dest]
     if dest in {field.name for field in msgspec.structs.fields(config._ModelSection)}:
         return "[[models]]", dest
     if dest in {field.name for field in msgspec.structs.fields(config._ConfigFile)}:

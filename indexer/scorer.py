@@ -13,7 +13,8 @@ from types import MappingProxyType
 
 import msgspec
 from kvindex.indexer.events import TIER_CPU, TIER_GPU, PodRef
-from kvindex.indexer.index import Entry, HolderIds, KVIndex
+from kvindex.indexer.index import Entry, HolderIds
+from kvindex.indexer.store import Store
 
 # A block on GPU is reusable at once; CPU needs a copy back first. Tiers not named here (STORAGE, custom
 # connector tiers) get `unknown_tier_weight`: explicitly low, still better than recomputing.
@@ -44,7 +45,7 @@ class PodScore(msgspec.Struct, frozen=True):
 
 
 def score_prefix(
-    index: KVIndex,
+    index: Store,
     block_keys: Sequence[int],
     *,
     block_size: int,

@@ -40,6 +40,8 @@ class PodStatus(msgspec.Struct):
     # Extensions beyond CONTRACT.md (operators asked for them):
     partial_view: bool = False  # joined late and the engine's ring no longer started at seq 0
     restarts_total: int = 0
+    # Replicas sharing a store: the replica holding the pod's ingest lease (None: no leases, or free).
+    owner: str | None = None
 
 
 # What a score answer may trust: a pod in this state is following its engine's stream right now.

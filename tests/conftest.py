@@ -49,3 +49,32 @@ def engines() -> Iterator[list[Engine]]:
     yield made
     for engine in made:
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Any]:
+    """One real redis-server for the session, on a free 127.0.0.1 port (tests flush it: `redis_url`).
+    Without the Debian package the test skips locally and fails under CI=true (.ci/run installs it)."""
+    import os
+
+    from benchmarks.redis_server import RedisServer, redis_server_path
+
+    if redis_server_path() is None:
+        message = "no redis-server on PATH (Debian: apt-get install redis-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message + "; CI must run the Redis store tests")
+        pytest.skip(message)
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: Any) -> Iterator[str]:
+    """The session's redis-server, emptied for this test (and started again if a test stopped it)."""
+    import redis
+
+    redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url

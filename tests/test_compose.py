@@ -37,7 +37,9 @@ def _kvindex_services(compose: dict[str, Any]) -> dict[str, list[str]]:
 def test_every_kvindex_command_parses() -> None:
     compose = _load_yaml(ROOT / "compose.yaml")
     commands = _kvindex_services(compose)
-    assert sorted(command[0] for command in commands.values()) == ["serve"] + ["sidecar"] * 3 + ["sim"] * 3
+    assert (
+        sorted(command[0] for command in commands.values()) == ["serve"] * 3 + ["sidecar"] * 3 + ["sim"] * 3
+    )
     parser = build_parser()
     for name, argv in commands.items():
         try:
@@ -50,6 +52,10 @@ def test_every_kvindex_command_parses() -> None:
             environment = compose["services"][name].get("environment") or {}
             config = build_serve_config(args, {k: str(v) for k, v in environment.items()})
             assert [pod.pod_id for pod in config.pods] == ["engine-a", "engine-b", "engine-c"]
+            if "replicas" in (compose["services"][name].get("profiles") or []):
+                # The replicas variant: one store, the same pods, distinct replica ids.
+                assert config.store.url == "redis://redis:6379/0" and "redis" in compose["services"]
+                assert config.ingest.replica_id == name.removeprefix("kvindex-")
 
 
 def test_serve_dials_each_engine_where_it_binds() -> None:

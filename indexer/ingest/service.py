@@ -8,16 +8,19 @@ release).
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import zmq
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.ingest.counters import Counters
 from kvindex.indexer.ingest.heap import HeapRelease
 from kvindex.indexer.ingest.intake import Intake
+from kvindex.indexer.ingest.leases import LeaseManager
 from kvindex.indexer.ingest.observer import BatchObserver
 from kvindex.indexer.ingest.pod_queues import PodQueues
 from kvindex.indexer.ingest.settings import DEFAULT_SETTINGS, IngestSettings
@@ -45,6 +48,7 @@ from kvindex.indexer.status import (
     PodStatus,
     Readiness,
 )
+from kvindex.indexer.store import Store
 from kvindex.replay.replay_client import ReplayResult
 from kvindex.replay.replay_fetcher import ReplayFetcher
 from kvindex.replay.subscriber import Subscriber
@@ -52,6 +56,12 @@ from kvindex.replay.subscriber import Subscriber
 log = logging.getLogger("kvindex.indexer.ingest")
 
 _LISTEN_SOURCE = "listen"
+
+
+class _CountedStore(Protocol):
+    def pod_block_counts(self) -> dict[PodRef, int]: ...
+
+
 _WATCH_INTERVAL_S = 0.1
 
 
@@ -94,6 +104,10 @@ class IngestService:
 
     `observer`: told of every applied batch (with its payload bytes) and every clear, in stream order, on
     the pod's worker thread (the sidecar relays its engine's stream through it; see observer.py).
+
+    `store_factory`: each model's store instead of an in-memory index. A store that keeps leases (Redis)
+    makes this process one replica of several: it ingests only the pods whose lease it holds
+    (indexer/ingest/leases.py) and reads the others' states from the store.
     """
 
     def __init__(
@@ -105,6 +119,7 @@ class IngestService:
         settings: IngestSettings = DEFAULT_SETTINGS,
         release_heap: Callable[[], object] | None = None,
         observer: BatchObserver | None = None,
+        store_factory: Callable[[ModelConfig], Store] | None = None,
     ) -> None:
         self.settings = settings
         self.listen: tuple[str, ...] = (listen,) if isinstance(listen, str) else tuple(listen or ())
@@ -113,8 +128,10 @@ class IngestService:
             index_shards=settings.index_shards,
             index_max_keys=settings.index_max_keys,
             index_max_pods_per_key=settings.index_max_pods_per_key,
+            store_factory=store_factory,
         )
-        self._streams = StreamTable()
+        leased = store_factory is not None and all(hasattr(m.index, "lease_tick") for m in self.models)
+        self._streams = StreamTable(leased=leased)
         for pod in pods:
             if pod.model not in self.models:
                 raise ValueError(f"pod {pod.pod_id!r} names model {pod.model!r}, which is not configured")
@@ -178,6 +195,16 @@ class IngestService:
             reconnect_ivl_max_ms=settings.reconnect_ivl_max_ms,
             max_message_bytes=settings.max_message_bytes,
         )
+        self.leases: LeaseManager | None = None
+        if leased:
+            self.leases = LeaseManager(
+                settings.replica_id or f"{socket.gethostname()}:{os.getpid()}",
+                settings.lease_ttl_s,
+                self._streams,
+                self.models,
+                lambda pod_id, item: self._intake.submit(pod_id, item, force=True),
+                lambda stream: self._state_of(stream, time.monotonic()),
+            )
         self._state = "new"
         self._stop_event = threading.Event()
         self._watch_thread: threading.Thread | None = None
@@ -199,6 +226,8 @@ class IngestService:
         for stream in self._streams.by_source.values():
             self._intake.submit(stream.ref.pod_id, ControlItem("join", stream.ref))
         self._subscriber.start()
+        if self.leases is not None:
+            self.leases.start()
         self._watch_thread = threading.Thread(target=self._watch, name="kvindex-ingest-watch", daemon=True)
         self._watch_thread.start()
 
@@ -215,6 +244,8 @@ class IngestService:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        if self.leases is not None and was_running:
+            self.leases.stop(left())
         subscriber_stopped = self._subscriber.stop(left())
         fetcher_stopped = self._fetcher.stop(left())
         self._snapshot_fetcher.stop()
@@ -246,9 +277,15 @@ class IngestService:
         return self.models.names()
 
     def pod_statuses(self) -> list[PodStatus]:
+        """Every stream's status. With a shared store the block counts are read from it (one round trip
+        per model; StoreUnavailable if it cannot be reached)."""
         now = time.monotonic()
         streams = sorted(self._streams.all(), key=lambda s: s.ref)
-        return [self._status(stream, now) for stream in streams]
+        counts: dict[str, dict[PodRef, int]] = {}
+        if self.leases is not None:
+            for runtime in self.models:
+                counts[runtime.config.name] = cast(_CountedStore, runtime.index).pod_block_counts()
+        return [self._status(stream, now, counts.get(stream.model)) for stream in streams]
 
     def applied_seqs(self) -> dict[PodRef, int | None]:
         """Each stream's newest seq whose events are in the index (cheap: no index reads; for progress
@@ -269,6 +306,8 @@ class IngestService:
         hundred holds nothing back. A service with no pods and no listen endpoint has nothing to wait for."""
         if self._state != "running":
             return Readiness(False, "ingest: not running")
+        if self.leases is not None and self.leases.store_error is not None:
+            return Readiness(False, self.leases.store_error)
         now = time.monotonic()
         states = [(stream, self._state_of(stream, now)) for stream in self._streams.all()]
         syncing = [s for s, state in states if state == STATE_REPLAYING]
@@ -309,8 +348,13 @@ class IngestService:
         stream = self._streams.get(ref)
         return (0, 0) if stream is None else (stream.hash_checks_total, stream.hash_mismatches_total)
 
-    def _status(self, stream: Stream, now: float) -> PodStatus:
+    def _status(self, stream: Stream, now: float, counts: dict[PodRef, int] | None = None) -> PodStatus:
         tracker = stream.tracker
+        blocks = (
+            counts.get(stream.ref, 0)
+            if counts is not None
+            else self.models[stream.model].index.pod_block_count(stream.ref)
+        )
         return PodStatus(
             pod=stream.ref.pod_id,
             model=stream.model,
@@ -322,13 +366,17 @@ class IngestService:
             events_total=stream.events_total,
             gaps_total=tracker.num_gaps,
             replays_total=stream.replays_total,
-            blocks=self.models[stream.model].index.pod_block_count(stream.ref),
+            blocks=blocks,
             hash_mismatches_total=stream.hash_mismatches_total,
             partial_view=tracker.partial_view,
             restarts_total=tracker.num_restarts,
+            owner=self.leases.owner_of(stream.ref) if self.leases is not None else None,
         )
 
     def _state_of(self, stream: Stream, now: float) -> str:
+        if not stream.owned and self.leases is not None:
+            # Another replica ingests it: the state it published (none yet, or no owner: replaying).
+            return self.leases.published_state(stream.ref) or STATE_REPLAYING
         connected = stream.connected if stream.connect_mode else self._intake.listen_peers > 0
         if not connected:
             return STATE_DISCONNECTED

@@ -64,6 +64,11 @@ class IngestSettings(msgspec.Struct, frozen=True):
     max_message_bytes: int = 64 << 20
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 5_000
+    # Replicas sharing a store (--store redis://...): each pod is ingested by the replica holding its
+    # lease; another takes it over once the lease has gone unrenewed this long.
+    lease_ttl_s: float = 10.0
+    # This replica's name in leases and /v1/pods (`owner`); "" = host:pid.
+    replica_id: str = ""
 
 
 DEFAULT_SETTINGS = IngestSettings()

@@ -25,7 +25,8 @@ class LiveItem(msgspec.Struct, frozen=True):
     payload: bytes
 
 
-ControlKind = Literal["join", "probe", "reconnect", "forget", "unverified"]
+# own / disown: this replica took / lost the pod's ingest lease (indexer/ingest/leases.py).
+ControlKind = Literal["join", "probe", "reconnect", "forget", "unverified", "own", "disown"]
 
 
 class ControlItem(msgspec.Struct, frozen=True):
@@ -119,6 +120,11 @@ class Stream:
         self.sidecar_hash_mismatches = 0
         self.hash_mismatch = False
         self.logged: set[str] = set()
+        # Replicas sharing a store: whether this process ingests the stream (holds its lease and has
+        # joined under it; written by its worker), and whether an `own` item is on its way (set by the
+        # lease manager, cleared by the worker). Always owned without leases.
+        self.owned = True
+        self.own_pending = False
 
     def last_activity_at(self) -> float | None:
         """The newest of its last live message and its last connection (None: neither yet)."""
@@ -141,7 +147,9 @@ class StreamTable:
     message. Readers on other threads take `list()` copies under the lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, leased: bool = False) -> None:
+        # Streams of a replica sharing a store start unowned: the lease manager hands them over.
+        self.leased = leased
         self._lock = threading.Lock()
         self._by_ref: dict[PodRef, Stream] = {}
         # Read on the poller's hot path without the lock (never written after start).
@@ -150,11 +158,13 @@ class StreamTable:
     def add_connect(self, source_id: str, stream: Stream) -> None:
         if stream.ref in self._by_ref:
             raise ValueError(f"pod {stream.ref.pod_id!r} dp rank {stream.ref.dp_rank} is configured twice")
+        stream.owned = not self.leased
         self._by_ref[stream.ref] = stream
         self.by_source[source_id] = stream
 
     def add_bound(self, stream: Stream) -> Stream:
         """Add a bind-mode stream unless one with its ref exists; the stream that is in the table."""
+        stream.owned = not self.leased
         with self._lock:
             return self._by_ref.setdefault(stream.ref, stream)
 

@@ -48,6 +48,7 @@ from kvindex.indexer.ingest.streams import (
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRegistry, ModelRuntime
 from kvindex.indexer.snapshot import RankSnapshot, SnapshotError, check_snapshot_for
+from kvindex.indexer.store import LeaseLost, StoreUnavailable
 from kvindex.replay.endpoints import endpoint_problem, offset_endpoint_port
 from kvindex.replay.replay_fetcher import ReplayFetcher
 from kvindex.replay.sequence import (
@@ -134,6 +135,8 @@ class StreamWorker:
                         self._handle_control(item, acc)
                     elif type(item) is SnapshotDone:
                         self._handle_snapshot_done(item, acc)
+                except (StoreUnavailable, LeaseLost) as exc:
+                    self._lose_item_stream(item, exc, acc)
                 except Exception:
                     log.exception("ingest worker failed on an item of pod %s", pod_id)
         finally:
@@ -149,6 +152,8 @@ class StreamWorker:
             if stream.model != item.model:
                 self._switch_model(stream, item.model, acc)
         stream.last_live_at = time.monotonic()
+        if not stream.owned:
+            return  # another replica ingests this pod (or it rejoins once the store is back)
         actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload), len(item.payload))
         if len(actions) == 1 and type(actions[0]) is Apply:  # the common case: next seq, nothing else
             self._apply(stream, actions[0].seq, actions[0].item, acc)
@@ -163,6 +168,14 @@ class StreamWorker:
         stream = self._streams.get(item.ref)
         if stream is None:
             return
+        if item.kind == "own":
+            self._own(stream, acc)
+            return
+        if item.kind == "disown":
+            self._let_go(stream, acc)
+            return
+        if not stream.owned:
+            return  # another replica ingests this pod
         if item.kind == "join":
             self._perform(stream, stream.tracker.begin_join(), acc)
         elif item.kind == "probe":
@@ -177,6 +190,54 @@ class StreamWorker:
             self._perform(
                 stream, stream.tracker.on_reconnect(), acc, delay_s=self._settings.reconnect_settle_s
             )
+
+    def _own(self, stream: Stream, acc: _Accumulator) -> None:
+        """This replica took the pod's lease: drop whatever the store holds of it (a previous owner's
+        view) and join from its ring under the new lease, so the store is exact again."""
+        acc.pending.pop(stream, None)
+        acc.pending_seq.pop(stream, None)
+        self._reset_stream(stream)
+        try:
+            self._models[stream.model].index.clear_pod(stream.ref)
+        except (StoreUnavailable, LeaseLost) as exc:
+            stream.own_pending = False
+            log.warning(
+                "pod %s rank %d: cannot take over yet (%s)", stream.ref.pod_id, stream.ref.dp_rank, exc
+            )
+            return
+        stream.owned = True
+        stream.own_pending = False
+        self._perform(stream, stream.tracker.begin_join(), acc)
+
+    def _let_go(self, stream: Stream, acc: _Accumulator) -> None:
+        """Stop ingesting the pod (its lease is another replica's now, or the store is gone)."""
+        acc.pending.pop(stream, None)
+        acc.pending_seq.pop(stream, None)
+        stream.owned = False
+        self._reset_stream(stream)
+
+    def _lose_item_stream(self, item: WorkItem, exc: Exception, acc: _Accumulator) -> None:
+        if type(item) is LiveItem:
+            stream = self._streams.by_source.get(item.source_id)
+        elif type(item) is ControlItem or type(item) is ReplayDone or type(item) is SnapshotDone:
+            stream = self._streams.get(item.ref)
+        else:
+            return
+        if stream is not None:
+            self._lose(stream, exc, acc)
+
+    def _lose(self, stream: Stream, exc: Exception, acc: _Accumulator) -> None:
+        """A write of the pod failed in the shared store (unreachable, restarted, or the lease went): what
+        the store holds of it is unknown, so it stops here and, once its lease is (still or again) this
+        replica's, is rebuilt from its ring."""
+        if stream.owned:
+            log.warning(
+                "pod %s rank %d: store write failed (%s); rejoins once the store and its lease are back",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                exc,
+            )
+        self._let_go(stream, acc)
 
     def _reset_stream(self, stream: Stream) -> None:
         """Let the stream's past go: a fresh tracker (its next message is a join), no outstanding replay."""
@@ -223,7 +284,12 @@ class StreamWorker:
     def _handle_replay_done(self, item: ReplayDone, acc: _Accumulator) -> None:
         stream = self._streams.get(item.ref)
         request = None if stream is None else stream.tracker.awaiting
-        if stream is None or item.token != stream.replay_token or not isinstance(request, FetchReplay):
+        if (
+            stream is None
+            or not stream.owned
+            or item.token != stream.replay_token
+            or not isinstance(request, FetchReplay)
+        ):
             return  # the answer to a request the stream no longer waits for
         result = item.result
         pod = stream.ref
@@ -289,7 +355,12 @@ class StreamWorker:
         a snapshot that cannot be used falls back to the replay path (counted, logged with why)."""
         stream = self._streams.get(item.ref)
         request = None if stream is None else stream.tracker.awaiting
-        if stream is None or item.token != stream.replay_token or not isinstance(request, FetchSnapshot):
+        if (
+            stream is None
+            or not stream.owned
+            or item.token != stream.replay_token
+            or not isinstance(request, FetchSnapshot)
+        ):
             return
         pod = stream.ref
         result = item.result
@@ -548,6 +619,8 @@ class StreamWorker:
 
     def _apply(self, stream: Stream, seq: int, decoded: TrackedBatch, acc: _Accumulator) -> None:
         """Filter one batch's events for the index and queue them on `acc` (applied at the next flush)."""
+        if not stream.owned:
+            return
         acc.pending_seq[stream] = seq
         if decoded is None:
             return
@@ -599,8 +672,14 @@ class StreamWorker:
     def _flush(self, stream: Stream, acc: _Accumulator) -> None:
         events = acc.pending.pop(stream, None)
         seq = acc.pending_seq.pop(stream, None)
+        if not stream.owned:
+            return
         if events:
-            stats = self._models[stream.model].index.apply(stream.ref, events)
+            try:
+                stats = self._models[stream.model].index.apply(stream.ref, events)
+            except (StoreUnavailable, LeaseLost) as exc:
+                self._lose(stream, exc, acc)
+                return
             acc.unknown_parents += stats.unknown_parents
             stream.events_total += len(events)
         if seq is not None:

@@ -33,7 +33,15 @@ def test_quick_run_prints_every_table_and_the_summary(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.startswith("Dynamo: ")
-    for heading in ("== ingest:", "== score:", "== memory:", "== hashing:", "== scale:", "== summary:"):
+    for heading in (
+        "== ingest:",
+        "== score:",
+        "== memory:",
+        "== hashing:",
+        "== scale:",
+        "== store:",
+        "== summary:",
+    ):
         assert heading in out, heading
     for target in ("ingest blocks/s vs Dynamo", "memory per pair vs Dynamo", "hashing sha256 hot"):
         assert target in out

@@ -1,4 +1,5 @@
-"""One conformance suite for KVIndex, run over several shard counts and capacities.
+"""One conformance suite for the index stores (the in-memory KVIndex and the Redis store on a real
+redis-server), run over several shard counts and capacities.
 
 Expected values come from the event rules (each store adds a copy, each remove drops one copy of one tier,
 clear drops the pod, the least recently stored key / entry goes first), never from the index's own output.
@@ -6,7 +7,7 @@ clear drops the pod, the least recently stored key / entry goes first), never fr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 from kvindex.indexer.events import (
@@ -18,6 +19,7 @@ from kvindex.indexer.events import (
     PodRef,
 )
 from kvindex.indexer.index import KVIndex
+from kvindex.indexer.store import Store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,9 +35,22 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=sorted(CONFIGS))
-def index(request: pytest.FixtureRequest) -> KVIndex:
-    return KVIndex(**CONFIGS[request.param])
+STORES = ("memory", "redis")
+
+
+@pytest.fixture(params=[(store, config) for store in STORES for config in sorted(CONFIGS)], ids="-".join)
+def index(request: pytest.FixtureRequest) -> Iterator[Store]:
+    store, config = request.param
+    if store == "memory":
+        yield KVIndex(**CONFIGS[config])
+        return
+    import redis
+    from kvindex.indexer.stores.redis_store import RedisStore
+
+    # A generous timeout: the 1-shard-large cases store a million keys in one script call.
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=120)
+    yield RedisStore(client, "model-x", **CONFIGS[config])
+    client.close()
 
 
 def stored(keys: Sequence[int], parent: int | None = None, tier: str = TIER_GPU) -> BlocksStored:
@@ -46,7 +61,7 @@ def removed(keys: Sequence[int], tier: str = TIER_GPU) -> BlocksRemoved:
     return BlocksRemoved(block_keys=tuple(keys), tier=tier)
 
 
-def same_shard_keys(index: KVIndex, count: int, start: int = 1000) -> list[int]:
+def same_shard_keys(index: Store, count: int, start: int = 1000) -> list[int]:
     """`count` keys that all land in one shard, so they compete for one key LRU."""
     target = index.shard_of(start)
     return [
@@ -54,7 +69,7 @@ def same_shard_keys(index: KVIndex, count: int, start: int = 1000) -> list[int]:
     ][:count]
 
 
-def spread_keys(index: KVIndex, count: int, start: int = 5000) -> list[int]:
+def spread_keys(index: Store, count: int, start: int = 5000) -> list[int]:
     """`count` keys, at most shard_capacity per shard, so nothing is evicted."""
     per_shard: dict[int, int] = {}
     keys = []
@@ -68,13 +83,13 @@ def spread_keys(index: KVIndex, count: int, start: int = 5000) -> list[int]:
     return keys
 
 
-def holders_of(index: KVIndex, key: int) -> set[tuple[PodRef, str]]:
+def holders_of(index: Store, key: int) -> set[tuple[PodRef, str]]:
     found = index.lookup([key])
     return set(found[0]) if found else set()
 
 
 class TestKVIndexConformance:
-    def test_store_then_lookup_lists_every_block(self, index: KVIndex) -> None:
+    def test_store_then_lookup_lists_every_block(self, index: Store) -> None:
         keys = spread_keys(index, 3)
         stats = index.apply(POD_A, [stored(keys)])
         assert stats.stored_blocks == 3
@@ -84,7 +99,7 @@ class TestKVIndexConformance:
         assert index.pods() == [POD_A]
         assert index.check_consistency() == []
 
-    def test_remove_drops_only_that_tier(self, index: KVIndex) -> None:
+    def test_remove_drops_only_that_tier(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys, tier=TIER_GPU), stored(keys, tier=TIER_CPU)])
         stats = index.apply(POD_A, [removed(keys[:1], tier=TIER_GPU)])
@@ -95,21 +110,21 @@ class TestKVIndexConformance:
         assert index.pod_block_count(POD_A, TIER_CPU) == 2
         assert index.check_consistency() == []
 
-    def test_remove_of_unheld_block_is_counted_and_harmless(self, index: KVIndex) -> None:
+    def test_remove_of_unheld_block_is_counted_and_harmless(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys[:1])])
         stats = index.apply(POD_A, [removed(keys, tier=TIER_GPU), removed(keys[:1], tier=TIER_CPU)])
         assert (stats.removed_blocks, stats.missing_removals) == (1, 2)
         assert index.num_keys() == 0 and index.pods() == []
 
-    def test_removing_last_holder_drops_the_key(self, index: KVIndex) -> None:
+    def test_removing_last_holder_drops_the_key(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys)])
         index.apply(POD_A, [removed(keys)])
         assert index.num_keys() == 0 and index.num_entries() == 0
         assert index.lookup(keys) == []
 
-    def test_clear_pod_leaves_other_pods_untouched(self, index: KVIndex) -> None:
+    def test_clear_pod_leaves_other_pods_untouched(self, index: Store) -> None:
         keys = spread_keys(index, 3)
         index.apply(POD_A, [stored(keys), stored(keys[:2], tier=TIER_CPU)])
         index.apply(POD_B, [stored(keys[2:])])  # at most 2 holders per key: no per-key eviction
@@ -120,7 +135,7 @@ class TestKVIndexConformance:
         assert index.clear_pod(POD_A) == 0
         assert index.check_consistency() == []
 
-    def test_all_blocks_cleared_event_is_clear_pod_in_batch_order(self, index: KVIndex) -> None:
+    def test_all_blocks_cleared_event_is_clear_pod_in_batch_order(self, index: Store) -> None:
         keys = spread_keys(index, 3)
         index.apply(POD_B, [stored(keys)])
         stats = index.apply(POD_A, [stored(keys), AllBlocksCleared(), stored(keys[:1])])
@@ -128,7 +143,7 @@ class TestKVIndexConformance:
         assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU), (POD_B, TIER_GPU)}
         assert holders_of(index, keys[2]) == {(POD_B, TIER_GPU)}
 
-    def test_dp_ranks_are_separate_pods(self, index: KVIndex) -> None:
+    def test_dp_ranks_are_separate_pods(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys)])
         index.apply(POD_A1, [stored(keys[:1])])
@@ -137,7 +152,7 @@ class TestKVIndexConformance:
         assert holders_of(index, keys[0]) == {(POD_A, TIER_GPU)}
         assert index.pods() == [POD_A]
 
-    def test_key_eviction_drops_least_recently_stored(self, index: KVIndex) -> None:
+    def test_key_eviction_drops_least_recently_stored(self, index: Store) -> None:
         capacity = index.shard_capacity
         keys = same_shard_keys(index, capacity + 1)
         index.apply(POD_A, [stored(keys[:capacity])])
@@ -157,7 +172,7 @@ class TestKVIndexConformance:
         assert index.pod_block_count(POD_A) == capacity + 1 - num_evicted
         assert index.check_consistency() == []
 
-    def test_lookup_does_not_refresh_recency(self, index: KVIndex) -> None:
+    def test_lookup_does_not_refresh_recency(self, index: Store) -> None:
         capacity = index.shard_capacity
         keys = same_shard_keys(index, capacity + 1)
         index.apply(POD_A, [stored(keys[:capacity])])
@@ -166,7 +181,7 @@ class TestKVIndexConformance:
         index.apply(POD_A, [stored(keys[capacity:])])
         assert holders_of(index, keys[0]) == set()
 
-    def test_per_key_entry_cap_drops_least_recently_stored_entry(self, index: KVIndex) -> None:
+    def test_per_key_entry_cap_drops_least_recently_stored_entry(self, index: Store) -> None:
         cap = index.max_pods_per_key
         pods = [PodRef(f"p{i}") for i in range(cap + 1)]
         (key,) = spread_keys(index, 1)
@@ -180,14 +195,14 @@ class TestKVIndexConformance:
         assert index.pod_block_count(pods[1]) == 0
         assert index.check_consistency() == []
 
-    def test_restore_refreshes_without_duplicating(self, index: KVIndex) -> None:
+    def test_restore_refreshes_without_duplicating(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys)])
         stats = index.apply(POD_A, [stored(keys)])
         assert (stats.stored_blocks, stats.refreshed_blocks) == (0, 2)
         assert index.num_entries() == 2
 
-    def test_each_copy_needs_its_own_removal(self, index: KVIndex) -> None:
+    def test_each_copy_needs_its_own_removal(self, index: Store) -> None:
         # vLLM keeps identical blocks apart (a fully cached block-aligned prompt recomputes its last
         # block): one BlocksStored per physical copy, later one BlocksRemoved per copy evicted.
         (key,) = spread_keys(index, 1)
@@ -205,7 +220,7 @@ class TestKVIndexConformance:
         assert stats.missing_removals == 1
         assert index.check_consistency() == []
 
-    def test_copies_are_counted_per_pod_and_tier(self, index: KVIndex) -> None:
+    def test_copies_are_counted_per_pod_and_tier(self, index: Store) -> None:
         (key,) = spread_keys(index, 1)  # at most 2 holders at once: no per-key eviction
         index.apply(POD_A, [stored([key]), stored([key])])
         index.apply(POD_B, [stored([key])])
@@ -217,7 +232,7 @@ class TestKVIndexConformance:
         assert holders_of(index, key) == set()
         assert index.check_consistency() == []
 
-    def test_clear_drops_every_copy(self, index: KVIndex) -> None:
+    def test_clear_drops_every_copy(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys), stored(keys[:1]), stored(keys[:1])])
         index.apply(POD_B, [stored(keys[:1])])
@@ -227,7 +242,7 @@ class TestKVIndexConformance:
         index.apply(POD_B, [removed(keys[1:])])
         assert index.num_keys() == 0 and index.check_consistency() == []
 
-    def test_lookup_answers_follow_every_write(self, index: KVIndex) -> None:
+    def test_lookup_answers_follow_every_write(self, index: Store) -> None:
         # Multi-holder answers may be cached between writes: each kind of write must show at once.
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys)])
@@ -248,7 +263,7 @@ class TestKVIndexConformance:
         }
         assert index.check_consistency() == []
 
-    def test_reverse_map_stays_consistent_under_both_evictions(self, index: KVIndex) -> None:
+    def test_reverse_map_stays_consistent_under_both_evictions(self, index: Store) -> None:
         pods = [PodRef(f"p{i}", dp_rank=i % 2) for i in range(6)]
         for round_no in range(4):
             for pod_no, pod in enumerate(pods):
@@ -264,13 +279,13 @@ class TestKVIndexConformance:
         assert index.num_keys() == 0 and index.num_entries() == 0
         assert index.check_consistency() == []
 
-    def test_lookup_stops_at_first_gap(self, index: KVIndex) -> None:
+    def test_lookup_stops_at_first_gap(self, index: Store) -> None:
         keys = spread_keys(index, 4)
         index.apply(POD_A, [stored(keys[:2]), stored(keys[3:])])
         assert index.lookup(keys) == [((POD_A, TIER_GPU),)] * 2
         assert index.lookup(keys[3:]) == [((POD_A, TIER_GPU),)]
 
-    def test_pods_filter_restricts_holders_and_the_stop(self, index: KVIndex) -> None:
+    def test_pods_filter_restricts_holders_and_the_stop(self, index: Store) -> None:
         keys = spread_keys(index, 3)
         index.apply(POD_A, [stored(keys[:2])])
         index.apply(POD_A1, [stored(keys[:1], tier=TIER_CPU)])
@@ -285,7 +300,7 @@ class TestKVIndexConformance:
         assert index.lookup(keys, pods=["nobody"]) == []
         assert index.lookup(keys, pods=[]) == []
 
-    def test_unknown_parents_are_applied_and_counted(self, index: KVIndex) -> None:
+    def test_unknown_parents_are_applied_and_counted(self, index: Store) -> None:
         keys = spread_keys(index, 6)
         index.apply(POD_B, [stored(keys[:1])])
         stats = index.apply(
@@ -302,7 +317,7 @@ class TestKVIndexConformance:
         assert stats.unknown_parents == 1  # removed earlier in the same batch
         assert holders_of(index, keys[5]) == {(POD_A, TIER_GPU)}
 
-    def test_bad_batch_raises_and_changes_nothing(self, index: KVIndex) -> None:
+    def test_bad_batch_raises_and_changes_nothing(self, index: Store) -> None:
         keys = spread_keys(index, 2)
         index.apply(POD_A, [stored(keys)])
         before = index.snapshot()

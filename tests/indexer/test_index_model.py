@@ -1,4 +1,5 @@
-"""KVIndex driven by hypothesis against a reference model written from the event rules.
+"""The index stores (in-memory KVIndex, Redis on a real redis-server) driven by hypothesis against a
+reference model written from the event rules.
 
 The model is a plain dict block key -> {(pod, tier): copies}: vLLM announces each physical copy of a
 block, so BlocksStored adds one copy of the pod's tier to each key (at most MAX_COPIES), BlocksRemoved
@@ -9,10 +10,12 @@ it must hold a subset of it and respect its caps.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from kvindex.indexer.events import (
     TIER_CPU,
     TIER_GPU,
@@ -23,6 +26,7 @@ from kvindex.indexer.events import (
     PodRef,
 )
 from kvindex.indexer.index import MAX_COPIES, KVIndex
+from kvindex.indexer.store import Store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,10 +82,18 @@ def model_apply(model: Model, pod: PodRef, events: list[KVEvent]) -> int:
     return unknown_parents
 
 
+# Builds a fresh, empty store: (num_shards, max_keys, max_pods_per_key) -> store.
+StoreFactory = Callable[[int, int, int], Store]
+
+
+def memory_store(num_shards: int, max_keys: int, max_pods_per_key: int) -> Store:
+    return KVIndex(num_shards=num_shards, max_keys=max_keys, max_pods_per_key=max_pods_per_key)
+
+
 class UnboundedIndexMatchesModel(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, make_store: StoreFactory = memory_store) -> None:
         super().__init__()
-        self.index = KVIndex(num_shards=3, max_keys=10_000, max_pods_per_key=100)
+        self.index = make_store(3, 10_000, 100)
         self.model: Model = {}
 
     @rule(pod=st.sampled_from(PODS), events=events_strategy)
@@ -117,9 +129,9 @@ class UnboundedIndexMatchesModel(RuleBasedStateMachine):
 
 
 class BoundedIndexStaysWithinModelAndCaps(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, make_store: StoreFactory = memory_store) -> None:
         super().__init__()
-        self.index = KVIndex(num_shards=2, max_keys=6, max_pods_per_key=2)
+        self.index = make_store(2, 6, 2)
         self.model: Model = {}
 
     @rule(pod=st.sampled_from(PODS), events=events_strategy)
@@ -156,3 +168,36 @@ TestBoundedIndexStaysWithinModelAndCaps = BoundedIndexStaysWithinModelAndCaps.Te
 TestBoundedIndexStaysWithinModelAndCaps.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None
 )
+
+
+# The same machines over the Redis store, with the same settings.
+REDIS_SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+@pytest.fixture
+def redis_store_factory(redis_url: str) -> Iterator[StoreFactory]:
+    import redis
+    from kvindex.indexer.stores.redis_store import RedisStore
+
+    client = redis.Redis.from_url(redis_url)
+
+    def make(num_shards: int, max_keys: int, max_pods_per_key: int) -> Store:
+        client.flushall()
+        return RedisStore(
+            client, "model-x", num_shards=num_shards, max_keys=max_keys, max_pods_per_key=max_pods_per_key
+        )
+
+    yield make
+    client.close()
+
+
+def test_unbounded_redis_store_matches_model(redis_store_factory: StoreFactory) -> None:
+    run_state_machine_as_test(
+        lambda: UnboundedIndexMatchesModel(redis_store_factory), settings=REDIS_SETTINGS
+    )
+
+
+def test_bounded_redis_store_stays_within_model_and_caps(redis_store_factory: StoreFactory) -> None:
+    run_state_machine_as_test(
+        lambda: BoundedIndexStaysWithinModelAndCaps(redis_store_factory), settings=REDIS_SETTINGS
+    )

@@ -1,0 +1,503 @@
+"""The Redis/Valkey store: the block index kept in a shared server, so several kvindex replicas read and
+write one index. An IO shell implementing the store interface (indexer/store.py), with the in-memory
+KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch, one
+per score, one per lease tick).
+
+Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a hash of holders
+and a sorted set of store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU
+approximated by shards (as Redis' own maxmemory-policy approximates one by sampling). Keep each shard under
+Redis' hash/zset-max-listpack-entries (128 by default): a listpack shard costs ~40 B per (pod, block) pair,
+a shard converted to a hashtable several times more (benchmarks/store.py measures it).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import uuid
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+import redis
+from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
+from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys
+from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
+from kvindex.indexer.stores import redis_scripts
+
+# The errors redis-py raises for a server that cannot be reached or does not answer in time.
+_DOWN: Final = (redis.ConnectionError, redis.TimeoutError, OSError)
+_BIG_ENDIAN: Final = sys.byteorder == "big"
+_ENTRY_NAME = msgspec.json.Encoder()
+_ENTRY_DECODE = msgspec.json.Decoder(tuple[str, int, str])
+
+
+def prefix_of(model: str) -> str:
+    """A model's key prefix, hash-tagged so a cluster keeps one model's keys in one slot (its scripts
+    touch many keys at once) and spreads models over slots. Braces in the name are escaped."""
+    return "kvi:{" + model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D") + "}:"
+
+
+def key_bytes(keys: Sequence[int]) -> bytes:
+    """Block keys as one string of 8-byte big-endian keys (checked unsigned 64-bit, like KVIndex)."""
+    packed = _checked_keys(keys)
+    if not _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _key_of(raw: bytes) -> int:
+    return int.from_bytes(raw, "big")
+
+
+class RedisStore:
+    """One model's index in Redis. Thread-safe (redis-py's pool); every call is one round trip, except the
+    first sight of an entry id (its name is fetched once) and the whole-index views.
+
+    A connection error raises StoreUnavailable; a store that came back empty raises StoreReset on the next
+    write (every cache of entry ids is dropped). Writes of a pod with a fence (`set_fence`) raise LeaseLost
+    unless the store's lease for that pod is still the fence's token, atomically with the write.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        model: str,
+        *,
+        num_shards: int = 1 << 16,
+        max_keys: int = 50_000_000,
+        max_pods_per_key: int = 256,
+    ) -> None:
+        if num_shards < 1 or max_keys < 1 or max_pods_per_key < 1:
+            raise ValueError(
+                f"num_shards, max_keys and max_pods_per_key must be >= 1, got "
+                f"{num_shards}, {max_keys}, {max_pods_per_key}"
+            )
+        if num_shards > 1 << 32:
+            raise ValueError(f"num_shards must be <= 2**32 (shards are the low 32 bits), got {num_shards}")
+        self.client = client
+        self.model = model
+        self.prefix = prefix_of(model)
+        self.num_shards = num_shards
+        self.max_pods_per_key = max_pods_per_key
+        self.shard_capacity = max(1, max_keys // num_shards)
+        self.shard_low_water = self.shard_capacity - self.shard_capacity // 64
+        self._apply_script = client.register_script(redis_scripts.APPLY)
+        self._lookup_script = client.register_script(redis_scripts.LOOKUP)
+        self._tick_script = client.register_script(redis_scripts.LEASE_TICK)
+        self._release_script = client.register_script(redis_scripts.LEASE_RELEASE)
+        self._lock = threading.Lock()
+        self._gen = ""
+        # Entry id -> (pod, tier), filled on first sight (ids are never reused within a generation).
+        self._entries: dict[int, Entry] = {}
+        # Holder strings -> their ids: a shared prefix's blocks answer with one tuple (the scorer groups
+        # runs by identity first). Bounded: cleared when it grows past _MAX_PARSED.
+        self._parsed: dict[bytes, HolderIds] = {}
+        self._fences: dict[PodRef, str] = {}
+        self._pod_ids_seen: set[str] = set()
+
+    # -- connection, generation ---------------------------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _DOWN as exc:
+            raise StoreUnavailable(f"{self.client_address()}: {exc}") from exc
+        except redis.ResponseError as exc:
+            if str(exc).startswith("LEASE"):
+                raise _Fenced() from exc
+            if str(exc).startswith("GEN"):
+                self._forget_generation()
+                raise StoreReset(f"{self.client_address()}: the store restarted empty") from exc
+            raise StoreUnavailable(f"{self.client_address()}: {exc}") from exc
+
+    def client_address(self) -> str:
+        kwargs = self.client.connection_pool.connection_kwargs
+        return f"redis {kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
+
+    def generation(self) -> str:
+        """The store's generation token, created if missing (the first process to see an empty store
+        sets it); a change drops every cached entry id."""
+        token = uuid.uuid4().hex
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.prefix + "gen", token, nx=True)
+        pipe.get(self.prefix + "gen")
+        _, current = self._call(pipe.execute)
+        gen: str = current.decode()
+        with self._lock:
+            if gen != self._gen:
+                self._entries.clear()
+                self._parsed.clear()
+                self._pod_ids_seen.clear()
+                self._gen = gen
+        return gen
+
+    def _forget_generation(self) -> None:
+        with self._lock:
+            self._gen = ""
+            self._entries.clear()
+            self._parsed.clear()
+            self._pod_ids_seen.clear()
+
+    def _current_gen(self) -> str:
+        return self._gen or self.generation()
+
+    # -- fencing and leases ----------------------------------------------------------------------------
+
+    def set_fence(self, pod: PodRef, token: str | None) -> None:
+        """The lease this process holds for `pod` (None: none, writes of it are refused)."""
+        with self._lock:
+            if token is None:
+                self._fences.pop(pod, None)
+            else:
+                self._fences[pod] = token
+
+    def fence_of(self, pod: PodRef) -> str | None:
+        return self._fences.get(pod)
+
+    def lease_tick(
+        self, replica_id: str, ttl_ms: int, claims: Sequence[LeaseClaim]
+    ) -> tuple[list[str], list[LeaseView]]:
+        """One round trip for every pod of this model: heartbeat, renew, take, publish (see LEASE_TICK).
+        Returns the live replicas and each claim's lease."""
+        args: list[str | int] = [self.prefix, self._current_gen(), replica_id, ttl_ms, ""]
+        for claim in claims:
+            args += [_pod_key(claim.pod), claim.held or "", "1" if claim.want else "0", claim.state]
+        out = self._call(self._tick_script, args=args)
+        values = [v.decode() for v in out]
+        split = values.index("")
+        replicas = values[:split]
+        rest = values[split + 1 :]
+        views = [LeaseView(rest[i], rest[i + 1]) for i in range(0, len(rest), 2)]
+        return replicas, views
+
+    def release_lease(self, pod: PodRef, token: str) -> None:
+        self._call(self._release_script, args=[self.prefix, _pod_key(pod), token])
+
+    # -- write path ------------------------------------------------------------------------------------
+
+    def _fence_args(self, pod: PodRef, fenced: bool) -> list[str]:
+        if not fenced:
+            return ["", ""]
+        token = self._fences.get(pod)
+        if token is None:
+            raise LeaseLost(pod)
+        return [self.prefix + "lease:" + _pod_key(pod), token]
+
+    def _header(self, pod: PodRef) -> list[str | int | bytes]:
+        fenced = self._fenced_mode
+        return [
+            self.prefix,
+            self._current_gen(),
+            self.num_shards,
+            self.shard_capacity,
+            self.shard_low_water,
+            self.max_pods_per_key,
+            MAX_COPIES,
+            *self._fence_args(pod, fenced),
+            _pod_key(pod),
+            pod.pod_id,
+        ]
+
+    # Set by the lease manager: every write must then carry a fence (a pod without one is refused).
+    _fenced_mode = False
+
+    def require_fences(self) -> None:
+        """From now on, writes of a pod without a fence raise LeaseLost (replicas share this store)."""
+        self._fenced_mode = True
+
+    def apply(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
+        """Apply one pod's events in order, as one atomic script call (see KVIndex.apply for the rules).
+        The batch is validated before anything is sent: a bad event raises TypeError/ValueError."""
+        steps = self._steps(pod, events)
+        if not isinstance(pod, PodRef):
+            raise TypeError(f"expected a PodRef, got {pod!r}")
+        if not steps:
+            return ApplyStats()
+        counts = self._run_apply(pod, steps)
+        return ApplyStats(*counts)
+
+    def _run_apply(self, pod: PodRef, steps: list[str | bytes]) -> list[int]:
+        try:
+            out = self._call(self._apply_script, args=[*self._header(pod), *steps])
+        except _Fenced as exc:
+            raise LeaseLost(pod) from exc
+        self._pod_ids_seen.add(pod.pod_id)
+        return [int(n) for n in out]
+
+    def _steps(self, pod: PodRef, events: Iterable[KVEvent]) -> list[str | bytes]:
+        """The batch as script arguments. Consecutive BlocksStored of one tier continuing the previous
+        event's chain merge into one store step, as KVIndex merges them (its LRU evicts per step)."""
+        steps: list[str | bytes] = []
+        names: dict[str, str] = {}
+        last_tier: str | None = None  # the tier of the previous step, if it is a store
+        last_key = -1
+        store_parts: list[bytes] = []
+
+        def name_of(tier: str) -> str:
+            name = names.get(tier)
+            if name is None:
+                if not isinstance(tier, str):
+                    raise TypeError(f"expected a tier name, got {tier!r}")
+                name = names[tier] = _ENTRY_NAME.encode((pod.pod_id, pod.dp_rank, tier)).decode()
+            return name
+
+        def close_store() -> None:
+            if store_parts:
+                steps[-1] = b"".join(store_parts)
+                store_parts.clear()
+
+        for event in events:
+            if isinstance(event, BlocksStored):
+                keys = event.block_keys
+                packed = key_bytes(keys)
+                parent = event.parent_key
+                if parent is not None:
+                    if last_tier == event.tier and parent == last_key:
+                        if keys:
+                            store_parts.append(packed)
+                            last_key = keys[-1]
+                        continue
+                    close_store()
+                    steps += ["P", key_bytes((parent,))]
+                    last_tier = None
+                if keys:
+                    close_store()
+                    steps += ["S", name_of(event.tier), b""]
+                    store_parts.append(packed)
+                    last_tier, last_key = event.tier, keys[-1]
+                else:
+                    close_store()
+                    last_tier = None
+                continue
+            close_store()
+            last_tier = None
+            if isinstance(event, BlocksRemoved):
+                packed = key_bytes(event.block_keys)
+                name = name_of(event.tier)
+                if event.block_keys:
+                    steps += ["R", name, packed]
+            elif isinstance(event, AllBlocksCleared):
+                steps.append("C")
+            else:
+                raise TypeError(f"not a KV event: {type(event).__name__}")
+        close_store()
+        return steps
+
+    def clear_pod(self, pod: PodRef) -> int:
+        """Drop every entry of one pod, all tiers (cost: that pod's blocks, in one script call)."""
+        counts = self._run_apply(pod, ["C"])
+        return counts[4]
+
+    # -- read path -------------------------------------------------------------------------------------
+
+    def lookup_ids(self, block_keys: Sequence[int], pods: Collection[str] | None = None) -> list[HolderIds]:
+        """Entry ids holding each leading block (one script call), stopping at the first block no
+        (selected) pod holds. Within one key, ids are least recently stored first."""
+        if pods is not None and not pods:
+            return []
+        if not block_keys:
+            return []
+        out = self._call(
+            self._lookup_script, args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)]
+        )
+        gen = out[0].decode()
+        if gen != self._gen:
+            self.generation()  # a restarted store: ids are new
+        parsed = self._parsed
+        if len(parsed) > _MAX_PARSED:
+            parsed.clear()
+        result: list[HolderIds] = []
+        distinct: set[HolderIds] = set()
+        for pos in range(1, len(out), 2):
+            raw = out[pos]
+            ids = parsed.get(raw)
+            if ids is None:
+                ids = parsed[raw] = _parse_holders(raw)
+            distinct.add(ids)
+            result += [ids] * out[pos + 1]
+        self._resolve({i for ids in distinct for i in ids})
+        if pods is None:
+            return result
+        entries = self._entries
+        allowed = {pod_id for pod_id in pods}
+        filtered: list[HolderIds] = []
+        for ids in result:
+            kept = tuple(i for i in ids if entries[i][0].pod_id in allowed)
+            if not kept:
+                break
+            filtered.append(kept)
+        return filtered
+
+    def _resolve(self, ids: Iterable[int]) -> None:
+        missing = [i for i in ids if i not in self._entries]
+        if not missing:
+            return
+        names = self._call(self.client.hmget, self.prefix + "entn", missing)
+        for entry_id, name in zip(missing, names, strict=True):
+            if name is None:
+                raise StoreUnavailable(f"{self.client_address()}: entry {entry_id} unknown (store reset?)")
+            pod_id, rank, tier = _ENTRY_DECODE.decode(name)
+            self._entries[entry_id] = (PodRef(pod_id, rank), tier)
+
+    def lookup(self, block_keys: Sequence[int], pods: Collection[str] | None = None) -> list[Holders]:
+        entries = self._entries
+        return [tuple(entries[i] for i in ids) for ids in self.lookup_ids(block_keys, pods)]
+
+    def entry(self, entry_id: int) -> Entry:
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            self._resolve((entry_id,))
+            entry = self._entries[entry_id]
+        return entry
+
+    def has_pod_id(self, pod_id: str) -> bool:
+        """True once this pod id has held a block here (cached once true: clears do not reset it)."""
+        if pod_id in self._pod_ids_seen:
+            return True
+        if self._call(self.client.hexists, self.prefix + "podids", pod_id):
+            self._pod_ids_seen.add(pod_id)
+            return True
+        return False
+
+    def shard_of(self, block_key: int) -> int:
+        return (block_key & 0xFFFFFFFF) % self.num_shards
+
+    # -- stats -----------------------------------------------------------------------------------------
+
+    def _live(self) -> dict[int, int]:
+        raw = self._call(self.client.hgetall, self.prefix + "live")
+        live = {int(k): int(v) for k, v in raw.items()}
+        self._resolve(live)
+        return live
+
+    def num_keys(self) -> int:
+        return int(self._call(self.client.get, self.prefix + "nkeys") or 0)
+
+    def num_entries(self) -> int:
+        return sum(self._live().values())
+
+    def pod_block_count(self, pod: PodRef, tier: str | None = None) -> int:
+        live = self._live()
+        entries = self._entries
+        return sum(
+            n for i, n in live.items() if entries[i][0] == pod and (tier is None or entries[i][1] == tier)
+        )
+
+    def pod_block_counts(self) -> dict[PodRef, int]:
+        """Every pod's blocks (all tiers) in one round trip: for status pages over many pods."""
+        counts: dict[PodRef, int] = {}
+        for entry_id, n in self._live().items():
+            pod = self._entries[entry_id][0]
+            counts[pod] = counts.get(pod, 0) + n
+        return counts
+
+    def pods(self) -> list[PodRef]:
+        return sorted(pod for pod, n in self.pod_block_counts().items() if n)
+
+    # -- whole-index views, for tests and debugging (O(index)) -------------------------------------------
+
+    def _shards(self) -> dict[int, tuple[dict[bytes, bytes], dict[bytes, float]]]:
+        """Every non-empty shard: its holders hash and its LRU (with clocks)."""
+        shards: dict[int, tuple[dict[bytes, bytes], dict[bytes, float]]] = {}
+        numbers: set[int] = set()
+        for pattern in ("h:*", "l:*"):
+            for name in self._call(self._scan, self.prefix + pattern):
+                numbers.add(int(name.decode().rsplit(":", 1)[1]))
+        for shard_no in sorted(numbers):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hgetall(f"{self.prefix}h:{shard_no}")
+            pipe.zrange(f"{self.prefix}l:{shard_no}", 0, -1, withscores=True)
+            holders, lru = self._call(pipe.execute)
+            shards[shard_no] = (holders, dict(lru))
+        return shards
+
+    def _scan(self, pattern: str) -> list[bytes]:
+        return list(self.client.scan_iter(match=pattern, count=1000))
+
+    def snapshot(self) -> dict[int, frozenset[Entry]]:
+        return {key: frozenset(copies) for key, copies in self.snapshot_copies().items()}
+
+    def snapshot_copies(self) -> dict[int, dict[Entry, int]]:
+        result: dict[int, dict[Entry, int]] = {}
+        for holders, _ in self._shards().values():
+            for raw_key, raw in holders.items():
+                copies = _parse_copies(raw)
+                self._resolve(copies)
+                result[_key_of(raw_key)] = {self._entries[i]: n for i, n in copies.items()}
+        return result
+
+    def check_consistency(self) -> list[str]:
+        """Violations of the index's invariants (empty when sound): caps, shard routing, holder encoding,
+        the LRU sets, live counts, the reverse logs and the key count."""
+        problems: list[str] = []
+        live: dict[int, int] = {}
+        num_keys = 0
+        held_by: dict[int, set[bytes]] = {}
+        for shard_no, (holders, lru) in self._shards().items():
+            if len(holders) > self.shard_capacity:
+                problems.append(f"shard {shard_no}: {len(holders)} keys > {self.shard_capacity}")
+            if set(holders) != set(lru):
+                problems.append(f"shard {shard_no}: LRU members differ from its keys")
+            for raw_key, raw in holders.items():
+                num_keys += 1
+                key = _key_of(raw_key)
+                if self.shard_of(key) != shard_no:
+                    problems.append(f"key {key} in shard {shard_no}")
+                copies = _parse_copies(raw)
+                if not 1 <= len(copies) <= self.max_pods_per_key:
+                    problems.append(f"key {key}: {len(copies)} holders")
+                if not all(1 <= n <= MAX_COPIES for n in copies.values()):
+                    problems.append(f"key {key}: copy counts out of range {copies}")
+                for entry_id in copies:
+                    live[entry_id] = live.get(entry_id, 0) + 1
+                    held_by.setdefault(entry_id, set()).add(raw_key)
+        counted = {i: n for i, n in self._live().items() if n}
+        if counted != live:
+            problems.append(f"live counts {counted} != held pairs {live}")
+        if self.num_keys() != num_keys:
+            problems.append(f"key count {self.num_keys()} != {num_keys} keys held")
+        for entry_id, keys in held_by.items():
+            log = self._call(self.client.get, f"{self.prefix}log:{entry_id}") or b""
+            logged = {log[i : i + 8] for i in range(0, len(log), 8)}
+            for raw_key in keys - logged:
+                problems.append(f"key {_key_of(raw_key)} missing from entry {entry_id}'s log")
+        return problems
+
+
+_MAX_PARSED: Final = 65_536
+
+
+class _Fenced(Exception):
+    """The apply script refused a write: the pod's lease is not the fence's token."""
+
+
+def _pod_key(pod: PodRef) -> str:
+    return _ENTRY_NAME.encode((pod.pod_id, pod.dp_rank)).decode()
+
+
+def _parse_holders(raw: bytes) -> HolderIds:
+    """`b"3"` -> (3,); `b"3:2,7"` -> (3, 7): the ids, oldest first."""
+    if b"," not in raw and b":" not in raw:
+        return (int(raw),)
+    return tuple(int(item.split(b":", 1)[0]) for item in raw.split(b","))
+
+
+def _parse_copies(raw: bytes) -> dict[int, int]:
+    copies: dict[int, int] = {}
+    for item in raw.split(b","):
+        entry_id, _, n = item.partition(b":")
+        copies[int(entry_id)] = int(n) if n else 1
+    return copies
+
+
+def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
+    """A client for `redis://HOST:PORT/DB` or `rediss://...` (TLS), with timeouts so an unreachable store
+    fails a call in bounded time instead of hanging a worker."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        health_check_interval=0,
+        retry_on_timeout=False,
+    )

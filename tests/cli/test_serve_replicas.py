@@ -1,0 +1,245 @@
+"""Several `kvindex serve` replicas sharing one index in a real redis-server, fed by real engine streams
+(the project's EventPublisher over ZMQ on 127.0.0.1), read over real HTTP.
+
+Expected scores come from the engines' own record of what they hold (tests/engines.py), never from
+kvindex. Covers: both replicas exact with the pods split between them; kill -9 of one replica (its pods
+taken over within the lease TTL, exact again); redis-server restarted empty (exact again); redis-server
+down (503s with `store: ...`, then recovery); and the store-less alternative (two in-memory replicas each
+consuming every pod give the same scores).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from engines import Engine
+from waiting import wait_for
+
+from benchmarks.service import KvindexService, engine_index_of
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_ENGINES = 4
+LEASE_TTL_S = 2.0
+# A takeover: the dead owner's lease lapses (TTL), then a survivor's next tick (TTL/5) takes it; a
+# join from the ring and a score read follow. Generous for a loaded 2-core CI box.
+TAKEOVER_LIMIT_S = LEASE_TTL_S + 8.0
+
+
+def http_get(port: int, path: str) -> tuple[int, Any]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def http_score(port: int, block_hashes: Sequence[int]) -> tuple[int, Any]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        body = json.dumps({"model": "m", "block_hashes": list(block_hashes)})
+        connection.request("POST", "/v1/score", body=body, headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+class Fleet:
+    """Engines with a few stored chains each; the prompts to score are every chain stored so far."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.engines = engines
+        self.prompts: list[list[int]] = []
+        self._random = random.Random(13)
+
+    def store_round(self, blocks: int = 3) -> None:
+        for number, engine in enumerate(self.engines):
+            keys = [self._random.getrandbits(64) for _ in range(blocks + number)]
+            engine.store(keys, [], block_size=16)
+            self.prompts.append(keys)
+        # Shared prefixes: every other engine also stores the first engine's newest chain, in part.
+        shared = self.prompts[-len(self.engines)]
+        for number, engine in enumerate(self.engines[1:]):
+            engine.store(shared[: 1 + number], [], block_size=16)
+        for engine in self.engines:
+            engine.flush()
+
+    def expected(self, prompt: Sequence[int]) -> dict[int, int]:
+        """Engine index -> leading blocks of `prompt` it holds (0s omitted): from the engines' caches."""
+        result: dict[int, int] = {}
+        for index, engine in enumerate(self.engines):
+            matched = 0
+            for key in prompt:
+                if key not in engine.held:
+                    break
+                matched += 1
+            if matched:
+                result[index] = matched
+        return result
+
+
+def scores_of(port: int, prompt: Sequence[int]) -> dict[int, int] | None:
+    status, body = http_score(port, prompt)
+    if status != 200:
+        return None
+    return {engine_index_of(s["pod"]): s["matched_blocks"] for s in body["scores"] if s["matched_blocks"]}
+
+
+def exact(service: KvindexService, fleet: Fleet) -> bool:
+    return all(scores_of(service.port, prompt) == fleet.expected(prompt) for prompt in fleet.prompts)
+
+
+def owners(service: KvindexService) -> dict[str, str | None]:
+    return {pod["pod"]: pod.get("owner") for pod in service.pods()}
+
+
+@pytest.fixture
+def fleet(engines: list[Engine]) -> Fleet:
+    for number in range(NUM_ENGINES):
+        engines.append(Engine(f"engine-{number}"))
+    made = Fleet(engines)
+    made.store_round()
+    return made
+
+
+def replica(fleet: Fleet, *args: str) -> KvindexService:
+    return KvindexService(
+        [engine.endpoint for engine in fleet.engines],
+        replay_endpoints=[engine.replay_endpoint for engine in fleet.engines],
+        model="m",
+        extra_args=args,
+        ingest={"quiet_probe_after_s": 0.5},
+    )
+
+
+@pytest.fixture
+def replicas(fleet: Fleet, redis_url: str) -> Iterator[list[KvindexService]]:
+    started: list[KvindexService] = []
+    try:
+        for name in ("r1", "r2"):
+            service = replica(
+                fleet, "--store", redis_url, "--lease-ttl", str(LEASE_TTL_S), "--replica-id", name
+            )
+            service.start()
+            started.append(service)
+        yield started
+    finally:
+        for service in started:
+            service.stop()
+
+
+def await_exact(services: Sequence[KvindexService], fleet: Fleet, what: str, timeout_s: float = 30.0) -> None:
+    for service in services:
+        wait_for(
+            lambda s=service: exact(s, fleet),
+            timeout_s=timeout_s,
+            poll_s=0.1,
+            what=f"{what} ({s_id(service)})",
+        )
+
+
+def s_id(service: KvindexService) -> str:
+    return f"replica on port {service.port}"
+
+
+def test_two_replicas_own_each_pod_once_and_both_answer_exactly(
+    fleet: Fleet, replicas: list[KvindexService]
+) -> None:
+    await_exact(replicas, fleet, "exact scores from both replicas")
+    wait_for(
+        lambda: (
+            set(owners(replicas[0]).values()) <= {"r1", "r2"} and None not in owners(replicas[0]).values()
+        ),
+        timeout_s=20,
+        poll_s=0.1,
+        what="every pod owned",
+    )
+    assert owners(replicas[0]) == owners(replicas[1])
+    fleet.store_round()
+    for engine in fleet.engines:
+        engine.remove_oldest()
+        engine.flush()
+    await_exact(replicas, fleet, "exact after more stores and removals")
+    # A non-owner learns the owner's states at its next lease tick: ready soon after, not at once.
+    for service in replicas:
+        wait_for(lambda s=service: http_get(s.port, "/readyz")[0] == 200, timeout_s=10, what="/readyz 200")
+
+
+def test_kill_9_of_an_owner_hands_its_pods_over_within_the_ttl(
+    fleet: Fleet, replicas: list[KvindexService]
+) -> None:
+    await_exact(replicas, fleet, "exact scores from both replicas")
+    wait_for(
+        lambda: None not in owners(replicas[0]).values(), timeout_s=20, poll_s=0.1, what="every pod owned"
+    )
+    victim, survivor = replicas
+    killed_at = time.monotonic()
+    victim.kill()
+    wait_for(
+        lambda: set(owners(survivor).values()) == {"r2"},
+        timeout_s=TAKEOVER_LIMIT_S,
+        poll_s=0.05,
+        what="the survivor owning every pod",
+    )
+    took_s = time.monotonic() - killed_at
+    assert took_s <= TAKEOVER_LIMIT_S
+    fleet.store_round()  # written while the survivor is the only replica
+    await_exact([survivor], fleet, "exact after the takeover")
+
+
+def test_redis_restarted_empty_every_pod_rejoins(
+    fleet: Fleet, replicas: list[KvindexService], redis_server: Any
+) -> None:
+    await_exact(replicas, fleet, "exact scores from both replicas")
+    redis_server.stop()
+    redis_server.start()  # empty: no persistence
+    await_exact(replicas, fleet, "exact again after redis-server restarted empty", timeout_s=40)
+    fleet.store_round()
+    await_exact(replicas, fleet, "exact with new blocks after the restart")
+
+
+def test_redis_down_answers_503_then_recovers(
+    fleet: Fleet, replicas: list[KvindexService], redis_server: Any
+) -> None:
+    await_exact(replicas, fleet, "exact scores from both replicas")
+    redis_server.stop()
+    for service in replicas:
+        status, body = http_score(service.port, fleet.prompts[0])
+        assert status == 503 and body["error"].startswith("store: "), body
+        # The lease thread notices at its next tick (every TTL/5).
+        wait_for(
+            lambda s=service: http_get(s.port, "/readyz")[1].get("error", "").startswith("store: "),
+            timeout_s=10,
+            what="/readyz 503 naming the store",
+        )
+        assert http_get(service.port, "/readyz")[0] == 503
+    fleet.store_round()  # the engines go on while the store is away
+    redis_server.start()
+    await_exact(replicas, fleet, "exact after the store came back", timeout_s=40)
+    for service in replicas:
+        wait_for(lambda s=service: http_get(s.port, "/readyz")[0] == 200, timeout_s=20, what="/readyz 200")
+
+
+def test_in_memory_replicas_each_consume_every_pod_and_agree(fleet: Fleet) -> None:
+    services = [replica(fleet), replica(fleet)]
+    try:
+        for service in services:
+            service.start()
+        await_exact(services, fleet, "exact scores from both in-memory replicas")
+        fleet.store_round()
+        await_exact(services, fleet, "exact after more stores")
+        for prompt in fleet.prompts:
+            assert scores_of(services[0].port, prompt) == scores_of(services[1].port, prompt)
+        assert all(pod.get("owner") is None for pod in services[0].pods())
+    finally:
+        for service in services:
+            service.stop()
