@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvindex.cli.main import CliError
-from kvindex.hashing.algorithms import HASH_ALGOS
+from kvindex.cli.model_flags import add_hash_flags
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,15 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(placeholders {pod} and {model}); default: no snapshots",
     )
     parser.add_argument("--model", metavar="NAME", help="the model served (or the one the next flags change)")
-    parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
-    parser.add_argument(
-        "--hash-algo", choices=HASH_ALGOS, help="vLLM's --prefix-caching-hash-algo (default sha256)"
-    )
-    parser.add_argument(
-        "--hash-seed",
-        metavar="SEED",
-        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset -> vLLM's rule)",
-    )
+    add_hash_flags(parser, whose="the engines'")
     parser.add_argument(
         "--min-live-pods",
         type=int,

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvindex.cli.main import CliError
-from kvindex.hashing.algorithms import HASH_ALGOS
+from kvindex.cli.model_flags import add_hash_flags
 
 if TYPE_CHECKING:
     from kvindex.sidecar.service import SidecarService
@@ -78,15 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="downstream replay ring, batches per rank (default 10000)",
     )
-    parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
-    parser.add_argument(
-        "--hash-algo", choices=HASH_ALGOS, help="vLLM's --prefix-caching-hash-algo (default sha256)"
-    )
-    parser.add_argument(
-        "--hash-seed",
-        metavar="SEED",
-        help="the engine's PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset -> vLLM's rule)",
-    )
+    add_hash_flags(parser, whose="the engine's")
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file (kvindex serve's) whose [[models]] entry is read"
     )
