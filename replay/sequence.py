@@ -308,7 +308,8 @@ class SequenceTracker(Generic[T]):
         if request.purpose == "resync":
             self._skip_snapshot = False
             return []  # still flagged, as before the attempt; the next check tries again
-        return [self._fetch(0 if self.last_applied is None else self.last_applied, "gap")]
+        last = self.last_applied
+        return [self._fetch(0 if last is None else self._check_start(last), "gap")]
 
     def view_complete(self) -> None:
         """The pod's view is whole again (it cleared its cache): leave `resyncing` / `partial_view`."""
