@@ -315,6 +315,65 @@ return c
 """
 )
 
+# ARGV: as APPLY's first eleven, then the most keys to clear in this call. Clears up to that many of the
+# pod's (block, entry) pairs, from the end of its entries' logs (an entry whose log is done is dropped), so
+# a pod of millions of blocks is cleared in calls of bounded server time instead of one long script that
+# stalls every other client. Returns {pairs cleared, log keys left} (left 0: the pod holds nothing more).
+CLEAR_CHUNK: Final = (
+    _COMMON
+    + r"""
+if redis.call('GET', P .. 'gen') ~= ARGV[2] then return redis.error_reply('GEN') end
+if ARGV[8] ~= '' and redis.call('GET', ARGV[8]) ~= ARGV[9] then return redis.error_reply('LEASE') end
+local budget = tonumber(ARGV[12])
+local cleared, dropped, left = 0, 0, 0
+for _, id in ipairs(redis.call('SMEMBERS', P .. 'pod:' .. ARGV[10])) do
+  local logkey = P .. 'log:' .. id
+  local n = redis.call('STRLEN', logkey) / 8
+  local take = math.min(n, budget)
+  if take > 0 then
+    local mine = 0
+    local log = redis.call('GETRANGE', logkey, (n - take) * 8, -1)
+    for i = 1, #log, 8 do
+      local k = string.sub(log, i, i + 7)
+      local s = shard_of(k)
+      local h = P .. 'h:' .. s
+      local v = redis.call('HGET', h, k)
+      if v then
+        local ids, cps = parse(v)
+        if cps[id] then
+          without(ids, id)
+          cps[id] = nil
+          mine = mine + 1
+          if #ids == 0 then
+            redis.call('HDEL', h, k)
+            redis.call('ZREM', P .. 'l:' .. s, k)
+            dropped = dropped + 1
+          else
+            redis.call('HSET', h, k, encode(ids, cps))
+          end
+        end
+      end
+    end
+    budget = budget - take
+    cleared = cleared + mine
+    local held = tonumber(redis.call('HGET', P .. 'live', id) or '0')
+    if mine > 0 then held = redis.call('HINCRBY', P .. 'live', id, 0 - mine) end
+    if take == n or held <= 0 then
+      redis.call('DEL', logkey)
+      redis.call('HDEL', P .. 'live', id)
+    else
+      redis.call('SET', logkey, redis.call('GETRANGE', logkey, 0, (n - take) * 8 - 1))
+      left = left + n - take
+    end
+  else
+    left = left + n
+  end
+end
+if dropped ~= 0 then redis.call('INCRBY', P .. 'nkeys', -dropped) end
+return {cleared, left}
+"""
+)
+
 # ARGV: P, gen, nshards, the prompt's keys (one string of 8-byte keys). Returns {gen, holders, run length,
 # holders, run length, ...}: consecutive blocks with the same holders as one run (a shared prefix is held by
 # the same pods block after block), stopping at the first key nobody holds. Read-only: never reorders an

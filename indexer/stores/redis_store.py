@@ -1,7 +1,8 @@
 """The Redis/Valkey store: the block index kept in a shared server, so several kvindex replicas read and
 write one index. An IO shell implementing the store interface (indexer/store.py), with the in-memory
 KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch, one
-per score, one per lease tick).
+per score, one per lease tick; a clear of a pod runs in calls of at most `clear_chunk_keys` keys, so a big
+pod's takeover or restart never holds the server for long).
 
 Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a hash of holders
 and a sorted set of store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU
@@ -30,6 +31,9 @@ _DOWN: Final = (redis.ConnectionError, redis.TimeoutError, OSError)
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _ENTRY_NAME = msgspec.json.Encoder()
 _ENTRY_DECODE = msgspec.json.Decoder(tuple[str, int, str])
+# Log keys one clear call processes: ~25 ms of server time (~5 us a key), the longest a clear makes other
+# clients wait (one script of a million-block pod held Redis for seconds).
+CLEAR_CHUNK_KEYS: Final = 5_000
 
 
 def prefix_of(model: str) -> str:
@@ -69,11 +73,12 @@ class RedisStore:
         num_shards: int = 1 << 16,
         max_keys: int = 50_000_000,
         max_pods_per_key: int = 256,
+        clear_chunk_keys: int = CLEAR_CHUNK_KEYS,
     ) -> None:
-        if num_shards < 1 or max_keys < 1 or max_pods_per_key < 1:
+        if num_shards < 1 or max_keys < 1 or max_pods_per_key < 1 or clear_chunk_keys < 1:
             raise ValueError(
-                f"num_shards, max_keys and max_pods_per_key must be >= 1, got "
-                f"{num_shards}, {max_keys}, {max_pods_per_key}"
+                f"num_shards, max_keys, max_pods_per_key and clear_chunk_keys must be >= 1, got "
+                f"{num_shards}, {max_keys}, {max_pods_per_key}, {clear_chunk_keys}"
             )
         if num_shards > 1 << 32:
             raise ValueError(f"num_shards must be <= 2**32 (shards are the low 32 bits), got {num_shards}")
@@ -82,10 +87,12 @@ class RedisStore:
         self.prefix = prefix_of(model)
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
+        self.clear_chunk_keys = clear_chunk_keys
         self._shard_width = ((num_shards - 1).bit_length() + 7) // 8
         self.shard_capacity = max(1, max_keys // num_shards)
         self.shard_low_water = self.shard_capacity - self.shard_capacity // 64
         self._apply_script = client.register_script(redis_scripts.APPLY)
+        self._clear_script = client.register_script(redis_scripts.CLEAR_CHUNK)
         self._lookup_script = client.register_script(redis_scripts.LOOKUP)
         self._tick_script = client.register_script(redis_scripts.LEASE_TICK)
         self._release_script = client.register_script(redis_scripts.LEASE_RELEASE)
@@ -217,8 +224,36 @@ class RedisStore:
             raise TypeError(f"expected a PodRef, got {pod!r}")
         if not steps:
             return ApplyStats()
-        counts = self._run_apply(pod, steps)
-        return ApplyStats(*counts)
+        if "C" not in steps:
+            return ApplyStats(*self._run_apply(pod, steps))
+        # A clear can cost the pod's whole index: each one runs in bounded calls (_clear_in_chunks), then
+        # the rest of the batch from it. Readers may see such a batch part-way; the end state and the
+        # counts are the single call's.
+        totals = [0] * 9
+        start = 0
+        for end in [i for i, step in enumerate(steps) if step == "C"] + [len(steps)]:
+            if end > start:
+                totals = [a + b for a, b in zip(totals, self._run_apply(pod, steps[start:end]), strict=True)]
+            if end < len(steps):
+                totals[4] += self._clear_in_chunks(pod)
+            start = end
+        return ApplyStats(*totals)
+
+    def _clear_in_chunks(self, pod: PodRef) -> int:
+        """Clear the pod's pairs, `clear_chunk_keys` log keys per call; returns the pairs cleared."""
+        cleared = 0
+        while True:
+            try:
+                out = self._call(
+                    self._clear_script,
+                    keys=[self.prefix + "gen"],
+                    args=[*self._header(pod), self.clear_chunk_keys],
+                )
+            except _Fenced as exc:
+                raise LeaseLost(pod) from exc
+            cleared += int(out[0])
+            if not int(out[1]):
+                return cleared
 
     def _run_apply(self, pod: PodRef, steps: list[str | bytes]) -> list[int]:
         try:
@@ -288,9 +323,9 @@ class RedisStore:
         return steps
 
     def clear_pod(self, pod: PodRef) -> int:
-        """Drop every entry of one pod, all tiers (cost: that pod's blocks, in one script call)."""
-        counts = self._run_apply(pod, ["C"])
-        return counts[4]
+        """Drop every entry of one pod, all tiers (cost: that pod's blocks, in calls of at most
+        `clear_chunk_keys` keys each, so other clients wait at most one such call)."""
+        return self.apply(pod, [AllBlocksCleared()]).cleared_blocks
 
     # -- read path -------------------------------------------------------------------------------------
 
