@@ -12,6 +12,7 @@ a shard converted to a hashtable several times more (benchmarks/store.py measure
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import uuid
@@ -24,9 +25,21 @@ from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys
 from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
 from kvindex.indexer.stores import redis_scripts
+from redis.cluster import RedisCluster
+from redis.connection import parse_url
 
-# The errors redis-py raises for a server that cannot be reached or does not answer in time.
-_DOWN: Final = (redis.ConnectionError, redis.TimeoutError, OSError)
+# The errors redis-py raises for a server that cannot be reached or does not answer in time (a cluster
+# client's: no node reachable, a slot without a node, redirections exhausted).
+_DOWN: Final = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+    redis.exceptions.RedisClusterException,
+    redis.exceptions.ClusterError,
+)
+# A client of one server or of a Redis Cluster (connect() picks).
+StoreClient = redis.Redis | RedisCluster
+log = logging.getLogger("kvindex.indexer.stores")
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _ENTRY_NAME = msgspec.json.Encoder()
 _ENTRY_DECODE = msgspec.json.Decoder(tuple[str, int, str])
@@ -61,7 +74,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         model: str,
         *,
         num_shards: int = 1 << 16,
@@ -78,6 +91,9 @@ class RedisStore:
         self.client = client
         self.model = model
         self.prefix = prefix_of(model)
+        # The one key every script call names: a cluster routes the call to its slot, which is the slot of
+        # every key the script touches (they share the model's hash tag).
+        self._key = [self.prefix + "gen"]
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
         self.shard_capacity = max(1, max_keys // num_shards)
@@ -112,6 +128,9 @@ class RedisStore:
             raise StoreUnavailable(f"{self.client_address()}: {exc}") from exc
 
     def client_address(self) -> str:
+        if isinstance(self.client, RedisCluster):  # no one pool: name the nodes it started from
+            nodes = ",".join(sorted(self.client.nodes_manager.startup_nodes))
+            return f"redis cluster {nodes}"
         kwargs = self.client.connection_pool.connection_kwargs
         return f"redis {kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
 
@@ -163,7 +182,7 @@ class RedisStore:
         args: list[str | int] = [self.prefix, self._current_gen(), replica_id, ttl_ms, ""]
         for claim in claims:
             args += [_pod_key(claim.pod), claim.held or "", "1" if claim.want else "0", claim.state]
-        out = self._call(self._tick_script, args=args)
+        out = self._call(self._tick_script, keys=self._key, args=args)
         values = [v.decode() for v in out]
         split = values.index("")
         replicas = values[:split]
@@ -172,7 +191,7 @@ class RedisStore:
         return replicas, views
 
     def release_lease(self, pod: PodRef, token: str) -> None:
-        self._call(self._release_script, args=[self.prefix, _pod_key(pod), token])
+        self._call(self._release_script, keys=self._key, args=[self.prefix, _pod_key(pod), token])
 
     # -- write path ------------------------------------------------------------------------------------
 
@@ -219,7 +238,7 @@ class RedisStore:
 
     def _run_apply(self, pod: PodRef, steps: list[str | bytes]) -> list[int]:
         try:
-            out = self._call(self._apply_script, args=[*self._header(pod), *steps])
+            out = self._call(self._apply_script, keys=self._key, args=[*self._header(pod), *steps])
         except _Fenced as exc:
             raise LeaseLost(pod) from exc
         self._pod_ids_seen.add(pod.pod_id)
@@ -299,7 +318,9 @@ class RedisStore:
         if not block_keys:
             return []
         out = self._call(
-            self._lookup_script, args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)]
+            self._lookup_script,
+            keys=self._key,
+            args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)],
         )
         gen = out[0].decode()
         if gen != self._gen:
@@ -491,13 +512,71 @@ def _parse_copies(raw: bytes) -> dict[int, int]:
     return copies
 
 
-def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
+# The explicit cluster schemes and the scheme redis-py knows each by.
+_CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+STORE_SCHEMES: Final = ("redis", "rediss", *_CLUSTER_SCHEMES)
+
+
+def connect(url: str, *, socket_timeout_s: float = 5.0) -> StoreClient:
     """A client for `redis://HOST:PORT/DB` or `rediss://...` (TLS), with timeouts so an unreachable store
-    fails a call in bounded time instead of hanging a worker."""
-    return redis.Redis.from_url(
-        url,
+    fails a call in bounded time instead of hanging a worker. A Redis Cluster (`redis+cluster://HOST:PORT`,
+    `rediss+cluster://`, or a plain URL whose server has cluster mode on) gets a cluster client, which
+    routes each call to the slot of its keys. A cluster URL naming a DB other than 0 is a ValueError."""
+    timeouts: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         health_check_interval=0,
         retry_on_timeout=False,
     )
+    scheme, sep, rest = url.partition("://")
+    if scheme in _CLUSTER_SCHEMES:
+        return _cluster_client(url, _CLUSTER_SCHEMES[scheme] + sep + rest, timeouts)
+    if _says_cluster(url, timeouts):
+        client = _cluster_client(url, url, timeouts)
+        log.info("%s has cluster mode on: using a Redis Cluster client", redacted(url))
+        return client
+    return redis.Redis.from_url(url, **timeouts)
+
+
+def _cluster_client(given: str, url: str, timeouts: dict[str, Any]) -> RedisCluster:
+    """A cluster client for `url` (redis-py's scheme); `given` is the URL as the user wrote it."""
+    db = _url_options(url).get("db", 0)
+    if db != 0:
+        raise ValueError(
+            f"{redacted(given)} is a Redis Cluster, which has only DB 0: drop /{db} from the URL"
+        )
+    return RedisCluster.from_url(url, **timeouts)
+
+
+def _says_cluster(url: str, timeouts: dict[str, Any]) -> bool:
+    """True if the server at `url` answers INFO with cluster_enabled:1. Asked on DB 0, as a cluster node
+    refuses SELECT. A server that cannot tell (unreachable, or INFO refused by its ACL) is taken as a single
+    server, with a warning: replicas may start before their store."""
+    options = {**_url_options(url), "db": 0, **timeouts}
+    probe = redis.Redis(connection_pool=redis.ConnectionPool(**options))
+    try:
+        info = probe.info("cluster")
+    except (*_DOWN, redis.ResponseError) as exc:
+        log.warning(
+            "%s did not answer INFO cluster (%s): taken as a single server, not a cluster (name a "
+            "cluster redis+cluster://HOST:PORT to skip this check)",
+            redacted(url),
+            exc,
+        )
+        return False
+    finally:
+        probe.close()
+    return bool(info.get("cluster_enabled"))
+
+
+def _url_options(url: str) -> dict[str, Any]:
+    """redis-py's own reading of a URL (host, port, db from the path or ?db=, TLS, credentials)."""
+    options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # untyped in redis-py
+    return options
+
+
+def redacted(url: str) -> str:
+    """A store URL without its password (logs are read by many)."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
