@@ -16,8 +16,8 @@ import logging
 import sys
 import threading
 import uuid
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, Final, cast
 
 import msgspec
 import redis
@@ -26,6 +26,7 @@ from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Hold
 from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
 from kvindex.indexer.stores import redis_scripts
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 from redis.connection import parse_url
 
 # The errors redis-py raises for a server that cannot be reached or does not answer in time (a cluster
@@ -37,8 +38,6 @@ _DOWN: Final = (
     redis.exceptions.RedisClusterException,
     redis.exceptions.ClusterError,
 )
-# A client of one server or of a Redis Cluster (connect() picks).
-StoreClient = redis.Redis | RedisCluster
 log = logging.getLogger("kvindex.indexer.stores")
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _ENTRY_NAME = msgspec.json.Encoder()
@@ -128,20 +127,15 @@ class RedisStore:
             raise StoreUnavailable(f"{self.client_address()}: {exc}") from exc
 
     def client_address(self) -> str:
-        if isinstance(self.client, RedisCluster):  # no one pool: name the nodes it started from
-            nodes = ",".join(sorted(self.client.nodes_manager.startup_nodes))
-            return f"redis cluster {nodes}"
+        if isinstance(self.client, LazyCluster):  # no one pool: name the nodes it knows
+            return f"redis cluster {','.join(self.client.node_names())}"
         kwargs = self.client.connection_pool.connection_kwargs
         return f"redis {kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
 
     def generation(self) -> str:
         """The store's generation token, created if missing (the first process to see an empty store
         sets it); a change drops every cached entry id."""
-        token = uuid.uuid4().hex
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.prefix + "gen", token, nx=True)
-        pipe.get(self.prefix + "gen")
-        _, current = self._call(pipe.execute)
+        _, current = self._call(self._set_and_get_gen, uuid.uuid4().hex)
         gen: str = current.decode()
         with self._lock:
             if gen != self._gen:
@@ -150,6 +144,12 @@ class RedisStore:
                 self._pod_ids_seen.clear()
                 self._gen = gen
         return gen
+
+    def _set_and_get_gen(self, token: str) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.prefix + "gen", token, nx=True)
+        pipe.get(self.prefix + "gen")
+        return pipe.execute()
 
     def _forget_generation(self) -> None:
         with self._lock:
@@ -426,12 +426,15 @@ class RedisStore:
             for name in self._call(self._scan, self.prefix + pattern):
                 numbers.add(int(name.decode().rsplit(":", 1)[1]))
         for shard_no in sorted(numbers):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(f"{self.prefix}h:{shard_no}")
-            pipe.zrange(f"{self.prefix}l:{shard_no}", 0, -1, withscores=True)
-            holders, lru = self._call(pipe.execute)
+            holders, lru = self._call(self._read_shard, shard_no)
             shards[shard_no] = (holders, dict(lru))
         return shards
+
+    def _read_shard(self, shard_no: int) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(f"{self.prefix}h:{shard_no}")
+        pipe.zrange(f"{self.prefix}l:{shard_no}", 0, -1, withscores=True)
+        return pipe.execute()
 
     def _scan(self, pattern: str) -> list[bytes]:
         return list(self.client.scan_iter(match=pattern, count=1000))
@@ -512,6 +515,52 @@ def _parse_copies(raw: bytes) -> dict[int, int]:
     return copies
 
 
+class LazyCluster:
+    """A Redis Cluster client made at its first call, as RedisCluster() needs a reachable node to read
+    the slot map: a replica may start before its cluster, and answer 503 until it is up, as it does with
+    a single server. Every attribute is a method of the RedisCluster, called through it (its first call
+    makes it, and a failure to raises RedisClusterException there, in the store's error handling)."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url = url
+        self._options = options
+        self._lock = threading.Lock()
+        self._made: RedisCluster | None = None
+
+    def cluster(self) -> RedisCluster:
+        with self._lock:
+            if self._made is None:
+                self._made = RedisCluster.from_url(self.url, **self._options)
+            return self._made
+
+    def node_names(self) -> list[str]:
+        """host:port of the nodes known so far (before the first call: the URL's)."""
+        if self._made is None:
+            options = _url_options(self.url)
+            return [f"{options.get('host', '?')}:{options.get('port', 6379)}"]
+        return sorted(self._made.nodes_manager.startup_nodes)
+
+    def register_script(self, script: str) -> Script:
+        # Script calls only evalsha and script_load on its client. Given bytes, it asks the client for no
+        # encoder (UTF-8: redis-py's default, which connect() keeps).
+        return Script(cast(RedisCluster, self), script.encode())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._made is not None:
+                self._made.close()
+                self._made = None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self.cluster(), name)(*args, **kwargs)
+
+        return call
+
+
+# A client of one server or of a Redis Cluster (connect() picks).
+StoreClient = redis.Redis | LazyCluster
+
 # The explicit cluster schemes and the scheme redis-py knows each by.
 _CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 STORE_SCHEMES: Final = ("redis", "rediss", *_CLUSTER_SCHEMES)
@@ -538,14 +587,14 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> StoreClient:
     return redis.Redis.from_url(url, **timeouts)
 
 
-def _cluster_client(given: str, url: str, timeouts: dict[str, Any]) -> RedisCluster:
+def _cluster_client(given: str, url: str, timeouts: dict[str, Any]) -> LazyCluster:
     """A cluster client for `url` (redis-py's scheme); `given` is the URL as the user wrote it."""
     db = _url_options(url).get("db", 0)
     if db != 0:
         raise ValueError(
             f"{redacted(given)} is a Redis Cluster, which has only DB 0: drop /{db} from the URL"
         )
-    return RedisCluster.from_url(url, **timeouts)
+    return LazyCluster(url, timeouts)
 
 
 def _says_cluster(url: str, timeouts: dict[str, Any]) -> bool:
