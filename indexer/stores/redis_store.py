@@ -1,7 +1,8 @@
 """The Redis/Valkey store: the block index kept in a shared server, so several kvindex replicas read and
 write one index. An IO shell implementing the store interface (indexer/store.py), with the in-memory
 KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch, one
-per score, one per lease tick).
+per score, one per lease tick). On a Redis Cluster (connect()), each script call names one key of its
+model, so the cluster runs it on the node of the model's slot, where all of that model's keys live.
 
 Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a hash of holders
 and a sorted set of store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU
@@ -528,6 +529,9 @@ class LazyCluster:
         self._made: RedisCluster | None = None
 
     def cluster(self) -> RedisCluster:
+        made = self._made
+        if made is not None:  # every call after the first: no lock on the score path
+            return made
         with self._lock:
             if self._made is None:
                 self._made = RedisCluster.from_url(self.url, **self._options)
