@@ -53,6 +53,8 @@ SETTINGS = web.AppKey("settings", ApiSettings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
 HASH_EXECUTOR = web.AppKey("hash_executor", ThreadPoolExecutor)
+STORE_EXECUTOR = web.AppKey("store_executor", ThreadPoolExecutor)
+STORE_READ_THREADS = 4
 REQUEST_COUNTS = web.AppKey("request_counts", RequestCounts)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -138,11 +140,15 @@ async def expect_body_within_limit(request: web.Request) -> web.Response | None:
 
 
 async def handle_pods(request: web.Request) -> web.Response:
-    return json_response(PodsResponse(pods=request.app[SERVICE].pod_statuses()))
+    # Off the loop: block counts come from the store, which may be remote.
+    loop = asyncio.get_running_loop()
+    statuses = await loop.run_in_executor(request.app[STORE_EXECUTOR], request.app[SERVICE].pod_statuses)
+    return json_response(PodsResponse(pods=statuses))
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[REGISTRY])
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(request.app[STORE_EXECUTOR], generate_latest, request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -174,6 +180,8 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     registry, request_metrics = build_registry(service)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvindex-hash")
+    # Reads of a remote store (Redis) block on the network: run off the event loop, a few at a time.
+    store_executor = ThreadPoolExecutor(max_workers=STORE_READ_THREADS, thread_name_prefix="kvindex-store")
     app[SERVICE] = service
     app[SETTINGS] = settings
     app[REGISTRY] = registry
@@ -184,13 +192,15 @@ def create_app(
     async def own_executor(app: web.Application) -> AsyncIterator[None]:
         yield
         executor.shutdown(wait=True, cancel_futures=True)
+        store_executor.shutdown(wait=True, cancel_futures=True)
 
     app.cleanup_ctx.append(own_executor)
     if manage_service:
         app.cleanup_ctx.append(_own_service)
 
-    score = ScoreHandler(service, settings, request_metrics, executor)
-    status_page = StatusPage(service, request_metrics)
+    app[STORE_EXECUTOR] = store_executor
+    score = ScoreHandler(service, settings, request_metrics, executor, store_executor)
+    status_page = StatusPage(service, request_metrics, store_executor)
     app.router.add_routes(
         [
             web.post("/v1/score", score.handle, expect_handler=expect_body_within_limit),

@@ -120,11 +120,14 @@ class ScoreHandler:
         settings: ApiSettings,
         metrics: RequestMetrics,
         executor: ThreadPoolExecutor,
+        store_executor: ThreadPoolExecutor,
     ) -> None:
+        """`executor`: one thread, for hashing long prompts; `store_executor`: for remote stores' reads."""
         self._service = service
         self._settings = settings
         self._metrics = metrics
         self._executor = executor
+        self._store_executor = store_executor
         self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS)
         self._worker_hashers = PromptHashers()  # used only on the executor's single thread
         # model -> pod ids of its streams, for `unknown_pods` (see _unknown_pods)
@@ -139,32 +142,43 @@ class ScoreHandler:
         runtime = resolve_model(self._service, score_request.model)
         config = runtime.config
         block_keys = await self._block_keys(config, score_request)
-        pod_scores = self._with_health(
-            score_prefix(
-                runtime.index,
-                block_keys,
-                block_size=config.block_size,
-                tier_weights=self._settings.tier_weights,
-                unknown_tier_weight=self._settings.unknown_tier_weight,
-                pods=score_request.pods,
-                report_tiers=ALWAYS_REPORTED_TIERS,
-            ),
-            score_request,
-        )
+        if runtime.index.blocking_io:
+            # A remote store's round trip (or its timeout, when it is unreachable) must not hold up the
+            # event loop: health checks and other requests go on meanwhile.
+            loop = asyncio.get_running_loop()
+            scored, unknown_pods = await loop.run_in_executor(
+                self._store_executor, self._read_index, runtime, block_keys, score_request
+            )
+        else:
+            scored, unknown_pods = self._read_index(runtime, block_keys, score_request)
         response = ScoreResponse(
             model=config.name,
             block_size=config.block_size,
             num_blocks=len(block_keys),
-            scores=pod_scores,
-            unknown_pods=(
-                msgspec.UNSET
-                if score_request.pods is None
-                else self._unknown_pods(runtime, score_request.pods)
-            ),
+            scores=self._with_health(scored, score_request),
+            unknown_pods=unknown_pods,
         )
         best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
         return web.Response(body=JSON_ENCODER.encode(response), content_type="application/json")
+
+    def _read_index(
+        self, runtime: ModelRuntime, block_keys: list[int], request: ScoreRequest
+    ) -> tuple[list[PodScore], list[str] | msgspec.UnsetType]:
+        """The index's part of a score: the prefix scores and the unknown pods (any thread)."""
+        config = runtime.config
+        scored = score_prefix(
+            runtime.index,
+            block_keys,
+            block_size=config.block_size,
+            tier_weights=self._settings.tier_weights,
+            unknown_tier_weight=self._settings.unknown_tier_weight,
+            pods=request.pods,
+            report_tiers=ALWAYS_REPORTED_TIERS,
+        )
+        if request.pods is None:
+            return scored, msgspec.UNSET
+        return scored, self._unknown_pods(runtime, request.pods)
 
     def _with_health(self, pod_scores: list[PodScore], request: ScoreRequest) -> list[PodScore]:
         """Each entry with its pod's state and event age; pods outside the asked states (by default:

@@ -10,6 +10,8 @@ like all of /v1 (api/auth.py); the page asks for it and keeps it for the browser
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 
 from aiohttp import web
@@ -67,8 +69,12 @@ def status_totals(pods: list[PodStatus], dropped_total: int) -> StatusTotals:
 class StatusPage:
     """The page and the JSON it polls, for one app."""
 
-    def __init__(self, service: IngestView, request_metrics: RequestMetrics) -> None:
+    def __init__(
+        self, service: IngestView, request_metrics: RequestMetrics, store_executor: ThreadPoolExecutor
+    ) -> None:
+        """`store_executor`: where pod states are read (their block counts may come from a remote store)."""
         self._service = service
+        self._store_executor = store_executor
         self._metrics = request_metrics
         self._page = (resources.files("kvindex.api") / "static" / "status.html").read_bytes()
 
@@ -76,7 +82,8 @@ class StatusPage:
         return web.Response(body=self._page, content_type="text/html", charset="utf-8", headers=_PAGE_HEADERS)
 
     async def handle_status(self, request: web.Request) -> web.Response:
-        pods = self._service.pod_statuses()
+        loop = asyncio.get_running_loop()
+        pods = await loop.run_in_executor(self._store_executor, self._service.pod_statuses)
         dropped = sum(self._service.counters().dropped.values())
         body = StatusResponse(
             pods=pods,

@@ -83,6 +83,8 @@ class KVIndex:
     Memory: ~100 B per (pod, block) pair at 1M pairs, block keys included (benchmarks/index.py).
     """
 
+    blocking_io = False  # in this process: readers call it directly
+
     def __init__(
         self, *, num_shards: int = 1, max_keys: int = 50_000_000, max_pods_per_key: int = 256
     ) -> None:

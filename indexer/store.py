@@ -62,6 +62,8 @@ class Store(Protocol):
 
     num_shards: int
     max_pods_per_key: int
+    # True when calls wait on the network (a remote store): readers then call it off the event loop.
+    blocking_io: bool
     shard_capacity: int
     shard_low_water: int
 

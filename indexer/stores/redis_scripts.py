@@ -6,7 +6,8 @@ cannot interleave writes with the new owner. The layout of one model's keys, all
 prefix P (`kvi:{model}:`):
 
     P gen            the store's generation: a random token; missing or changed = the store restarted empty
-    P h:<shard>      hash: block key (8 bytes, big-endian) -> holders ("id" | "id:copies,id,..."; oldest first)
+    P h:<shard>      hash: block key (8 bytes, big-endian) -> holders ("id" | "id:copies,id,..."; oldest first);
+                     <shard> is the shard number as big-endian bytes, as few as the shard count needs
     P l:<shard>      sorted set: block key -> store clock (the shard's key LRU; oldest = lowest)
     P clock          the store clock (one tick per stored key)
     P nkeys          number of block keys held
@@ -19,7 +20,8 @@ prefix P (`kvi:{model}:`):
     P replicas       sorted set: replica id -> heartbeat expiry (ms)
 
 Block keys never become Lua numbers (doubles lose 64-bit precision): they stay 8-byte strings, and a key's
-shard is its low 32 bits modulo the shard count, which Lua computes exactly from the last four bytes.
+shard is its low 32 bits modulo the shard count, which Lua computes exactly from the last four bytes (or
+cuts from them, for a power-of-256 count).
 """
 
 from __future__ import annotations
@@ -29,9 +31,22 @@ from typing import Final
 _COMMON: Final = r"""
 local P = ARGV[1]
 local nshards = tonumber(ARGV[3])
+local width = 0
+while 256 ^ width < nshards do width = width + 1 end
+local aligned = 256 ^ width == nshards
+-- A key's shard, as the name suffix: the shard number in `width` big-endian bytes. With a power-of-256
+-- shard count (the default 65536) that is the key's own last bytes, cut without arithmetic or number
+-- formatting (tostring is most of a lookup's cost otherwise).
 local function shard_of(k)
+  if aligned then return string.sub(k, 9 - width, 8) end
   local b5, b6, b7, b8 = string.byte(k, 5, 8)
-  return (((b5 * 256 + b6) * 256 + b7) * 256 + b8) % nshards
+  local s = (((b5 * 256 + b6) * 256 + b7) * 256 + b8) % nshards
+  local out = {}
+  for i = width, 1, -1 do
+    out[i] = s % 256
+    s = (s - out[i]) / 256
+  end
+  return string.char(unpack(out, 1, width))
 end
 local function parse(v)
   local ids, cps = {}, {}

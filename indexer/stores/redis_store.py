@@ -72,6 +72,8 @@ class RedisStore:
     unless the store's lease for that pod is still the fence's token, atomically with the write.
     """
 
+    blocking_io = True
+
     def __init__(
         self,
         client: StoreClient,
@@ -96,6 +98,7 @@ class RedisStore:
         self._key = [self.prefix + "gen"]
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
+        self._shard_width = ((num_shards - 1).bit_length() + 7) // 8
         self.shard_capacity = max(1, max_keys // num_shards)
         self.shard_low_water = self.shard_capacity - self.shard_capacity // 64
         self._apply_script = client.register_script(redis_scripts.APPLY)
@@ -385,6 +388,10 @@ class RedisStore:
     def shard_of(self, block_key: int) -> int:
         return (block_key & 0xFFFFFFFF) % self.num_shards
 
+    def shard_key(self, kind: str, shard_no: int) -> bytes:
+        """The Redis key of a shard's holders (`kind` "h") or LRU ("l"): see redis_scripts' layout."""
+        return f"{self.prefix}{kind}:".encode() + shard_no.to_bytes(self._shard_width, "big")
+
     # -- stats -----------------------------------------------------------------------------------------
 
     def _live(self) -> dict[int, int]:
@@ -423,9 +430,10 @@ class RedisStore:
         """Every non-empty shard: its holders hash and its LRU (with clocks)."""
         shards: dict[int, tuple[dict[bytes, bytes], dict[bytes, float]]] = {}
         numbers: set[int] = set()
+        start = len(self.prefix.encode()) + 2
         for pattern in ("h:*", "l:*"):
             for name in self._call(self._scan, self.prefix + pattern):
-                numbers.add(int(name.decode().rsplit(":", 1)[1]))
+                numbers.add(int.from_bytes(name[start:], "big"))
         for shard_no in sorted(numbers):
             holders, lru = self._call(self._read_shard, shard_no)
             shards[shard_no] = (holders, dict(lru))
@@ -433,8 +441,8 @@ class RedisStore:
 
     def _read_shard(self, shard_no: int) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(f"{self.prefix}h:{shard_no}")
-        pipe.zrange(f"{self.prefix}l:{shard_no}", 0, -1, withscores=True)
+        pipe.hgetall(self.shard_key("h", shard_no))
+        pipe.zrange(self.shard_key("l", shard_no), 0, -1, withscores=True)
         return pipe.execute()
 
     def _scan(self, pattern: str) -> list[bytes]:

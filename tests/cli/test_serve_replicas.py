@@ -4,17 +4,20 @@
 Expected scores come from the engines' own record of what they hold (tests/engines.py), never from
 kvindex. Covers: both replicas exact with the pods split between them; kill -9 of one replica (its pods
 taken over within the lease TTL, exact again); redis-server restarted empty (exact again); redis-server
-down (503s with `store: ...`, then recovery); a replica on a real 3-node Redis Cluster, named by
-`redis+cluster://` or detected behind a plain `redis://` URL (exact, owning every pod); a cluster URL naming
-DB 1 (refused at start); and the store-less alternative (two in-memory replicas each consuming every pod
-give the same scores).
+down (503s with `store: ...`, then recovery); a stalled redis-server (scores wait, health checks do not);
+a replica on a real 3-node Redis Cluster, named by `redis+cluster://` or detected behind a plain
+`redis://` URL (exact, owning every pod); a cluster URL naming DB 1 (refused at start); and the store-less
+alternative (two in-memory replicas each consuming every pod give the same scores).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -229,6 +232,34 @@ def test_redis_down_answers_503_then_recovers(
     await_exact(replicas, fleet, "exact after the store came back", timeout_s=40)
     for service in replicas:
         wait_for(lambda s=service: http_get(s.port, "/readyz")[0] == 200, timeout_s=20, what="/readyz 200")
+
+
+def test_a_stalled_store_holds_up_scores_but_not_health_checks(
+    fleet: Fleet, replicas: list[KvindexService], redis_server: Any
+) -> None:
+    await_exact(replicas, fleet, "exact scores from both replicas")
+    service = replicas[0]
+    assert redis_server.process is not None
+    answers: list[tuple[int, Any]] = []
+    os.kill(redis_server.process.pid, signal.SIGSTOP)  # answers nothing, refuses nothing
+    try:
+        # A score waits on the store (up to its socket timeout, 5 s by default) ...
+        scoring = threading.Thread(target=lambda: answers.append(http_score(service.port, fleet.prompts[0])))
+        scoring.start()
+        time.sleep(0.5)  # ok: lets the score reach the store before the health checks below
+        began = time.monotonic()
+        for path in ("/healthz", "/healthz", "/healthz"):
+            assert http_get(service.port, path)[0] == 200
+        answered_s = time.monotonic() - began
+        # ... while the process keeps answering everything that does not need the store.
+        assert scoring.is_alive(), answers
+        assert answered_s < 1.0, f"/healthz took {answered_s:.2f} s behind a stalled store read"
+    finally:
+        os.kill(redis_server.process.pid, signal.SIGCONT)
+    scoring.join(15)
+    status, body = answers[0]
+    assert status == 200 or (status == 503 and body["error"].startswith("store: ")), body
+    await_exact(replicas, fleet, "exact after the store answered again", timeout_s=40)
 
 
 @pytest.mark.parametrize("form", ["redis+cluster", "redis"])

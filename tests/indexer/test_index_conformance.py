@@ -32,6 +32,8 @@ CONFIGS = {
     "16-shards-large": dict(num_shards=16, max_keys=1_000_000, max_pods_per_key=256),
     "1-shard-tiny": dict(num_shards=1, max_keys=8, max_pods_per_key=2),
     "16-shards-tiny": dict(num_shards=16, max_keys=64, max_pods_per_key=2),
+    # A power-of-256 count: the Redis store cuts shard names from the keys' bytes (16 computes them).
+    "256-shards-tiny": dict(num_shards=256, max_keys=1024, max_pods_per_key=2),
 }
 
 
