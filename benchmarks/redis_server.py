@@ -148,12 +148,17 @@ class RedisClusterServers:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        for server in self.servers:
-            server.start()
-        self._assign_slots()
-        for port in self.ports[1:]:
-            self._command(self.ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
-        self._await_ok(timeout_s)
+        """Start and form the cluster; on any failure stop every node started (none outlives a test)."""
+        try:
+            for server in self.servers:
+                server.start()
+            self._assign_slots()
+            for port in self.ports[1:]:
+                self._command(self.ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
+            self._await_ok(timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     def _assign_slots(self) -> None:
         size = len(self.servers)
@@ -166,7 +171,6 @@ class RedisClusterServers:
         deadline = time.monotonic() + timeout_s
         while not all(b"cluster_state:ok" in self._command(port, "CLUSTER", "INFO") for port in self.ports):
             if time.monotonic() > deadline:
-                self.close()
                 raise RuntimeError(f"the Redis Cluster on ports {self.ports} did not form in {timeout_s} s")
             time.sleep(0.05)  # ok: polling a forming cluster under a deadline
 
