@@ -89,7 +89,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         metavar="URL",
-        help="keep the index in Redis/Valkey (redis://HOST:PORT/DB, rediss:// for TLS), shared by every "
+        help="keep the index in Redis/Valkey (redis://HOST:PORT/DB, rediss:// for TLS; a Redis Cluster: "
+        "redis+cluster://HOST:PORT or rediss+cluster://, or a redis:// node found in cluster mode), shared by every "
         "replica given the same URL and pods; each pod is ingested by the replica holding its lease. "
         "Default: in memory, in this process",
     )
@@ -183,9 +184,11 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
             ",".join(str(group) for group in sorted(model.prefix_group_idxs)),
         )
     if service.leases is not None:
+        from kvindex.indexer.stores.redis_store import redacted
+
         logger.info(
             "index in %s, shared by replicas; this replica is %s, lease TTL %.3g s",
-            _redacted(config.store.url or ""),
+            redacted(config.store.url or ""),
             service.leases.replica_id,
             config.ingest.lease_ttl_s,
         )
@@ -207,13 +210,6 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
             bound,
             config.ingest.listen_replay_template or "none (gaps lose history)",
         )
-
-
-def _redacted(url: str) -> str:
-    """A store URL without its password (logs are read by many)."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
 
 
 def _configure_logging(level: str) -> None:

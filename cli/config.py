@@ -75,6 +75,16 @@ _API = ApiSettings()
 _MODEL = ModelConfig(name="")
 
 
+def _check_store_url(url: str) -> None:
+    from kvindex.indexer.stores.redis_store import STORE_SCHEMES  # redis-py: imported only with a store
+
+    if url.partition("://")[0] not in STORE_SCHEMES:
+        raise ConfigError(
+            "--store must be redis://HOST:PORT/DB, rediss://HOST:PORT/DB, redis+cluster://HOST:PORT or "
+            f"rediss+cluster://HOST:PORT, got {url!r}"
+        )
+
+
 def _key(description: str, *, ge: int | None = None, gt: int | None = None) -> Meta:
     """A TOML key's meaning (docs/CONFIGURATION.md prints it) and its bounds (checked on load)."""
     if gt is not None:
@@ -193,7 +203,9 @@ class _StoreSection(msgspec.Struct, forbid_unknown_fields=True):
     url: Annotated[
         str | None,
         _key(
-            "`redis://HOST:PORT/DB` or `rediss://HOST:PORT/DB` (TLS; `redis://user:pass@...` for ACLs). "
+            "`redis://HOST:PORT/DB` or `rediss://HOST:PORT/DB` (TLS; `redis://user:pass@...` for ACLs); "
+            "a Redis Cluster: `redis+cluster://HOST:PORT` or `rediss+cluster://` (any one node; a plain "
+            "`redis://` URL of a node with cluster mode on is detected too; DB 0 only). "
             "Unset: the in-memory index."
         ),
     ] = _STORE.url
@@ -598,8 +610,8 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
         **msgspec.structs.asdict(file.ingest),
     )
     store_url = args.store or file.store.url
-    if store_url is not None and not store_url.startswith(("redis://", "rediss://")):
-        raise ConfigError(f"--store must be redis://HOST:PORT/DB or rediss://HOST:PORT/DB, got {store_url!r}")
+    if store_url is not None:
+        _check_store_url(store_url)
     store = StoreSettings(
         url=store_url, num_shards=file.store.num_shards, socket_timeout_s=file.store.socket_timeout_s
     )

@@ -55,17 +55,24 @@ def engines() -> Iterator[list[Engine]]:
 def redis_server() -> Iterator[Any]:
     """One real redis-server for the session, on a free 127.0.0.1 port (tests flush it: `redis_url`).
     Without the Debian package the test skips locally and fails under CI=true (.ci/run installs it)."""
+    from benchmarks.redis_server import RedisServer
+
+    _need_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+def _need_redis_server() -> None:
+    """Skip the test without redis-server locally; fail it under CI=true (.ci/run installs it)."""
     import os
 
-    from benchmarks.redis_server import RedisServer, redis_server_path
+    from benchmarks.redis_server import redis_server_path
 
     if redis_server_path() is None:
         message = "no redis-server on PATH (Debian: apt-get install redis-server)"
         if os.environ.get("CI"):
             pytest.fail(message + "; CI must run the Redis store tests")
         pytest.skip(message)
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture
@@ -78,3 +85,22 @@ def redis_url(redis_server: Any) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """One real Redis Cluster (3 masters on free 127.0.0.1 ports) for the session; tests flush it
+    (`redis_cluster_url`). Skips or fails without redis-server as `redis_server` does."""
+    from benchmarks.redis_server import RedisClusterServers
+
+    _need_redis_server()
+    with RedisClusterServers() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: Any) -> str:
+    """The session's cluster, emptied for this test: its `redis+cluster://` URL (one node's address)."""
+    redis_cluster.flush()
+    url: str = redis_cluster.url
+    return url

@@ -2,7 +2,9 @@
 write one index. An IO shell implementing the store interface (indexer/store.py), with the in-memory
 KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch, one
 per score, one per lease tick; a clear of a pod runs in calls of at most `clear_chunk_keys` keys, so a big
-pod's takeover or restart never holds the server for long).
+pod's takeover or restart never holds the server for long). On a Redis Cluster (connect()), each script
+call names one key of its model, so the cluster runs it on the node of the model's slot, where all of that
+model's keys live.
 
 Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a hash of holders
 and a sorted set of store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU
@@ -13,11 +15,12 @@ a shard converted to a hashtable several times more (benchmarks/store.py measure
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import uuid
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, Final, cast
 
 import msgspec
 import redis
@@ -25,9 +28,20 @@ from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys
 from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
 from kvindex.indexer.stores import redis_scripts
+from redis.cluster import RedisCluster
+from redis.commands.core import Script
+from redis.connection import parse_url
 
-# The errors redis-py raises for a server that cannot be reached or does not answer in time.
-_DOWN: Final = (redis.ConnectionError, redis.TimeoutError, OSError)
+# The errors redis-py raises for a server that cannot be reached or does not answer in time (a cluster
+# client's: no node reachable, a slot without a node, redirections exhausted).
+_DOWN: Final = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+    redis.exceptions.RedisClusterException,
+    redis.exceptions.ClusterError,
+)
+log = logging.getLogger("kvindex.indexer.stores")
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _ENTRY_NAME = msgspec.json.Encoder()
 _ENTRY_DECODE = msgspec.json.Decoder(tuple[str, int, str])
@@ -67,7 +81,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         model: str,
         *,
         num_shards: int = 1 << 16,
@@ -85,6 +99,9 @@ class RedisStore:
         self.client = client
         self.model = model
         self.prefix = prefix_of(model)
+        # The one key every script call names: a cluster routes the call to its slot, which is the slot of
+        # every key the script touches (they share the model's hash tag).
+        self._key = [self.prefix + "gen"]
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
         self.clear_chunk_keys = clear_chunk_keys
@@ -122,17 +139,15 @@ class RedisStore:
             raise StoreUnavailable(f"{self.client_address()}: {exc}") from exc
 
     def client_address(self) -> str:
+        if isinstance(self.client, LazyCluster):  # no one pool: name the nodes it knows
+            return f"redis cluster {','.join(self.client.node_names())}"
         kwargs = self.client.connection_pool.connection_kwargs
         return f"redis {kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
 
     def generation(self) -> str:
         """The store's generation token, created if missing (the first process to see an empty store
         sets it); a change drops every cached entry id."""
-        token = uuid.uuid4().hex
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.prefix + "gen", token, nx=True)
-        pipe.get(self.prefix + "gen")
-        _, current = self._call(pipe.execute)
+        _, current = self._call(self._set_and_get_gen, uuid.uuid4().hex)
         gen: str = current.decode()
         with self._lock:
             if gen != self._gen:
@@ -141,6 +156,12 @@ class RedisStore:
                 self._pod_ids_seen.clear()
                 self._gen = gen
         return gen
+
+    def _set_and_get_gen(self, token: str) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.prefix + "gen", token, nx=True)
+        pipe.get(self.prefix + "gen")
+        return pipe.execute()
 
     def _forget_generation(self) -> None:
         with self._lock:
@@ -173,7 +194,7 @@ class RedisStore:
         args: list[str | int] = [self.prefix, self._current_gen(), replica_id, ttl_ms, ""]
         for claim in claims:
             args += [_pod_key(claim.pod), claim.held or "", "1" if claim.want else "0", claim.state]
-        out = self._call(self._tick_script, args=args)
+        out = self._call(self._tick_script, keys=self._key, args=args)
         values = [v.decode() for v in out]
         split = values.index("")
         replicas = values[:split]
@@ -182,7 +203,7 @@ class RedisStore:
         return replicas, views
 
     def release_lease(self, pod: PodRef, token: str) -> None:
-        self._call(self._release_script, args=[self.prefix, _pod_key(pod), token])
+        self._call(self._release_script, keys=self._key, args=[self.prefix, _pod_key(pod), token])
 
     # -- write path ------------------------------------------------------------------------------------
 
@@ -246,7 +267,7 @@ class RedisStore:
             try:
                 out = self._call(
                     self._clear_script,
-                    keys=[self.prefix + "gen"],
+                    keys=self._key,
                     args=[*self._header(pod), self.clear_chunk_keys],
                 )
             except _Fenced as exc:
@@ -257,7 +278,7 @@ class RedisStore:
 
     def _run_apply(self, pod: PodRef, steps: list[str | bytes]) -> list[int]:
         try:
-            out = self._call(self._apply_script, args=[*self._header(pod), *steps])
+            out = self._call(self._apply_script, keys=self._key, args=[*self._header(pod), *steps])
         except _Fenced as exc:
             raise LeaseLost(pod) from exc
         self._pod_ids_seen.add(pod.pod_id)
@@ -337,7 +358,9 @@ class RedisStore:
         if not block_keys:
             return []
         out = self._call(
-            self._lookup_script, args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)]
+            self._lookup_script,
+            keys=self._key,
+            args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)],
         )
         gen = out[0].decode()
         if gen != self._gen:
@@ -448,12 +471,15 @@ class RedisStore:
             for name in self._call(self._scan, self.prefix + pattern):
                 numbers.add(int.from_bytes(name[start:], "big"))
         for shard_no in sorted(numbers):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(self.shard_key("h", shard_no))
-            pipe.zrange(self.shard_key("l", shard_no), 0, -1, withscores=True)
-            holders, lru = self._call(pipe.execute)
+            holders, lru = self._call(self._read_shard, shard_no)
             shards[shard_no] = (holders, dict(lru))
         return shards
+
+    def _read_shard(self, shard_no: int) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.shard_key("h", shard_no))
+        pipe.zrange(self.shard_key("l", shard_no), 0, -1, withscores=True)
+        return pipe.execute()
 
     def _scan(self, pattern: str) -> list[bytes]:
         return list(self.client.scan_iter(match=pattern, count=1000))
@@ -534,13 +560,120 @@ def _parse_copies(raw: bytes) -> dict[int, int]:
     return copies
 
 
-def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
+class LazyCluster:
+    """A Redis Cluster client made at its first call, as RedisCluster() needs a reachable node to read
+    the slot map: a replica may start before its cluster, and answer 503 until it is up, as it does with
+    a single server. Every attribute is a method of the RedisCluster, called through it (its first call
+    makes it, and a failure to raises RedisClusterException there, in the store's error handling)."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url = url
+        self._options = options
+        self._lock = threading.Lock()
+        self._made: RedisCluster | None = None
+
+    def cluster(self) -> RedisCluster:
+        made = self._made
+        if made is not None:  # every call after the first: no lock on the score path
+            return made
+        with self._lock:
+            if self._made is None:
+                self._made = RedisCluster.from_url(self.url, **self._options)
+            return self._made
+
+    def node_names(self) -> list[str]:
+        """host:port of the nodes known so far (before the first call: the URL's)."""
+        if self._made is None:
+            options = _url_options(self.url)
+            return [f"{options.get('host', '?')}:{options.get('port', 6379)}"]
+        return sorted(self._made.nodes_manager.startup_nodes)
+
+    def register_script(self, script: str) -> Script:
+        # Script calls only evalsha and script_load on its client. Given bytes, it asks the client for no
+        # encoder (UTF-8: redis-py's default, which connect() keeps).
+        return Script(cast(RedisCluster, self), script.encode())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._made is not None:
+                self._made.close()
+                self._made = None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self.cluster(), name)(*args, **kwargs)
+
+        return call
+
+
+# A client of one server or of a Redis Cluster (connect() picks).
+StoreClient = redis.Redis | LazyCluster
+
+# The explicit cluster schemes and the scheme redis-py knows each by.
+_CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+STORE_SCHEMES: Final = ("redis", "rediss", *_CLUSTER_SCHEMES)
+
+
+def connect(url: str, *, socket_timeout_s: float = 5.0) -> StoreClient:
     """A client for `redis://HOST:PORT/DB` or `rediss://...` (TLS), with timeouts so an unreachable store
-    fails a call in bounded time instead of hanging a worker."""
-    return redis.Redis.from_url(
-        url,
+    fails a call in bounded time instead of hanging a worker. A Redis Cluster (`redis+cluster://HOST:PORT`,
+    `rediss+cluster://`, or a plain URL whose server has cluster mode on) gets a cluster client, which
+    routes each call to the slot of its keys. A cluster URL naming a DB other than 0 is a ValueError."""
+    timeouts: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         health_check_interval=0,
         retry_on_timeout=False,
     )
+    scheme, sep, rest = url.partition("://")
+    if scheme in _CLUSTER_SCHEMES:
+        return _cluster_client(url, _CLUSTER_SCHEMES[scheme] + sep + rest, timeouts)
+    if _says_cluster(url, timeouts):
+        client = _cluster_client(url, url, timeouts)
+        log.info("%s has cluster mode on: using a Redis Cluster client", redacted(url))
+        return client
+    return redis.Redis.from_url(url, **timeouts)
+
+
+def _cluster_client(given: str, url: str, timeouts: dict[str, Any]) -> LazyCluster:
+    """A cluster client for `url` (redis-py's scheme); `given` is the URL as the user wrote it."""
+    db = _url_options(url).get("db", 0)
+    if db != 0:
+        raise ValueError(
+            f"{redacted(given)} is a Redis Cluster, which has only DB 0: drop /{db} from the URL"
+        )
+    return LazyCluster(url, timeouts)
+
+
+def _says_cluster(url: str, timeouts: dict[str, Any]) -> bool:
+    """True if the server at `url` answers INFO with cluster_enabled:1. Asked on DB 0, as a cluster node
+    refuses SELECT. A server that cannot tell (unreachable, or INFO refused by its ACL) is taken as a single
+    server, with a warning: replicas may start before their store."""
+    options = {**_url_options(url), "db": 0, **timeouts}
+    probe = redis.Redis(connection_pool=redis.ConnectionPool(**options))
+    try:
+        info = probe.info("cluster")
+    except (*_DOWN, redis.ResponseError) as exc:
+        log.warning(
+            "%s did not answer INFO cluster (%s): taken as a single server, not a cluster (name a "
+            "cluster redis+cluster://HOST:PORT to skip this check)",
+            redacted(url),
+            exc,
+        )
+        return False
+    finally:
+        probe.close()
+    return bool(info.get("cluster_enabled"))
+
+
+def _url_options(url: str) -> dict[str, Any]:
+    """redis-py's own reading of a URL (host, port, db from the path or ?db=, TLS, credentials)."""
+    options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # untyped in redis-py
+    return options
+
+
+def redacted(url: str) -> str:
+    """A store URL without its password (logs are read by many)."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url

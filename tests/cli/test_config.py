@@ -163,6 +163,14 @@ def test_flags_only_and_defaults() -> None:
     assert config.switch_interval_ms == 1.0
 
 
+@pytest.mark.parametrize(
+    "url", ["redis://h:1/2", "rediss://h:1/0", "redis+cluster://h:7000", "rediss+cluster://u:p@h:7000"]
+)
+def test_store_urls_of_a_server_or_a_cluster_are_accepted(url: str) -> None:
+    config = build(["--model", "m", "--pod", "p0=tcp://127.0.0.1:5557", "--store", url])
+    assert config.store.url == url
+
+
 def test_hash_seed_defaults_to_pythonhashseed_and_the_flag_wins() -> None:
     base = ["--model", "m", "--pod", "p0=tcp://127.0.0.1:5557"]
     assert build(base, {"PYTHONHASHSEED": "1234567"}).models[0].hash_seed == "1234567"
@@ -374,6 +382,8 @@ BAD_CONFIGS = [
     (None, ["--model", "m", "--listen", "tcp://*:1", "--listen-replay", "tcp://{pod:1"], "{model}"),
     (None, ["--model", "m", "--pod", "p=tcp://h:1", "--api-key", ""], "--api-key"),
     ("api_key = 5\n[[models]]\nname = 'x'", ["--pod", "p=tcp://h:1"], "api_key"),
+    (None, ["--model", "m", "--pod", "p=tcp://h:1", "--store", "redis+clustr://h:1"], "redis+cluster://"),
+    ("[store]\nurl = 'http://h:1'\n[[models]]\nname = 'x'", ["--pod", "p=tcp://h:1"], "--store must be"),
 ]
 
 

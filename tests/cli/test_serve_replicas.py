@@ -5,8 +5,9 @@ Expected scores come from the engines' own record of what they hold (tests/engin
 kvindex. Covers: both replicas exact with the pods split between them; kill -9 of one replica (its pods
 taken over within the lease TTL, exact again); redis-server restarted empty (exact again); redis-server
 down (503s with `store: ...`, then recovery); a stalled redis-server (scores wait, health checks do not);
-and the store-less alternative (two in-memory replicas each
-consuming every pod give the same scores).
+a replica on a real 3-node Redis Cluster, named by `redis+cluster://` or detected behind a plain
+`redis://` URL (exact, owning every pod); a cluster URL naming DB 1 (refused at start); and the store-less
+alternative (two in-memory replicas each consuming every pod give the same scores).
 """
 
 from __future__ import annotations
@@ -259,6 +260,37 @@ def test_a_stalled_store_holds_up_scores_but_not_health_checks(
     status, body = answers[0]
     assert status == 200 or (status == 503 and body["error"].startswith("store: ")), body
     await_exact(replicas, fleet, "exact after the store answered again", timeout_s=40)
+
+
+@pytest.mark.parametrize("form", ["redis+cluster", "redis"])
+def test_a_replica_on_a_redis_cluster_answers_exactly(
+    fleet: Fleet, redis_cluster_url: str, redis_cluster: Any, form: str
+) -> None:
+    url = redis_cluster_url if form == "redis+cluster" else redis_cluster.plain_url
+    service = replica(
+        fleet, "--store", url, "--lease-ttl", str(LEASE_TTL_S), "--replica-id", "c1", "--log-level", "info"
+    )
+    try:
+        service.start()
+        await_exact([service], fleet, "exact scores from the replica on the cluster")
+        wait_for(lambda: set(owners(service).values()) == {"c1"}, timeout_s=20, what="every pod owned by c1")
+        fleet.store_round()
+        for engine in fleet.engines:
+            engine.remove_oldest()
+            engine.flush()
+        await_exact([service], fleet, "exact after more stores and removals")
+        detected = service.log_tail(1 << 20).count("has cluster mode on: using a Redis Cluster client")
+        assert detected == (1 if form == "redis" else 0)
+    finally:
+        service.stop()
+
+
+def test_a_cluster_url_naming_db_1_stops_serve_with_one_sentence(fleet: Fleet, redis_cluster: Any) -> None:
+    url = f"redis+cluster://127.0.0.1:{redis_cluster.ports[0]}/1"
+    service = replica(fleet, "--store", url)
+    with pytest.raises(RuntimeError) as caught:
+        service.start()
+    assert f"{url} is a Redis Cluster, which has only DB 0: drop /1 from the URL" in str(caught.value)
 
 
 def test_in_memory_replicas_each_consume_every_pod_and_agree(fleet: Fleet) -> None:

@@ -1,5 +1,5 @@
 """One conformance suite for the index stores (the in-memory KVIndex and the Redis store on a real
-redis-server), run over several shard counts and capacities.
+redis-server and on a real 3-node Redis Cluster), run over several shard counts and capacities.
 
 Expected values come from the event rules (each store adds a copy, each remove drops one copy of one tier,
 clear drops the pod, the least recently stored key / entry goes first), never from the index's own output.
@@ -37,7 +37,7 @@ CONFIGS = {
 }
 
 
-STORES = ("memory", "redis")
+STORES = ("memory", "redis", "redis-cluster")
 
 
 @pytest.fixture(params=[(store, config) for store in STORES for config in sorted(CONFIGS)], ids="-".join)
@@ -46,11 +46,11 @@ def index(request: pytest.FixtureRequest) -> Iterator[Store]:
     if store == "memory":
         yield KVIndex(**CONFIGS[config])
         return
-    import redis
-    from kvindex.indexer.stores.redis_store import RedisStore
+    from kvindex.indexer.stores.redis_store import RedisStore, connect
 
     # A generous timeout: the 1-shard-large cases store a million keys in one script call.
-    client = redis.Redis.from_url(request.getfixturevalue("redis_url"), socket_timeout=120)
+    url = request.getfixturevalue("redis_cluster_url" if store == "redis-cluster" else "redis_url")
+    client = connect(url, socket_timeout_s=120)
     yield RedisStore(client, "model-x", **CONFIGS[config])
     client.close()
 
