@@ -232,13 +232,18 @@ class DynamoSubject:
 
 
 @contextmanager
-def start_subject(kind: str, publishers: Publishers, feed: Feed) -> Iterator[Subject]:
+def start_subject(
+    kind: str, publishers: Publishers, feed: Feed, serve_args: Sequence[str] = ()
+) -> Iterator[Subject]:
+    """`serve_args`: more `kvindex serve` flags for a kvindex subject (e.g. `--store URL`)."""
     spec = feed.spec
-    if kind == "kvindex":
+    if kind.startswith("kvindex"):
         with KvindexService(
-            publishers.endpoints, hash_seed=spec.hash_seed, block_size=spec.block_size
+            publishers.endpoints, hash_seed=spec.hash_seed, block_size=spec.block_size, extra_args=serve_args
         ) as svc:
             try:
+                if serve_args:
+                    _await_owned(svc)
                 yield KvindexSubject(svc, publishers)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; kvindex log: {svc.log_tail(1500)}") from exc
@@ -250,6 +255,16 @@ def start_subject(kind: str, publishers: Publishers, feed: Feed) -> Iterator[Sub
                 yield DynamoSubject(indexer, feed.num_events)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; Dynamo log: {indexer.log_tail(1500)}") from exc
+
+
+def _await_owned(service: KvindexService, timeout_s: float = 60.0) -> None:
+    """With a shared store, a replica ingests a pod once it holds the pod's lease; the benchmark's
+    publishers keep no ring to rejoin from, so publishing waits until every pod is owned."""
+    deadline = time.monotonic() + timeout_s
+    while any(pod.get("owner") is None for pod in service.pods()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every pod owned within {timeout_s:.0f}s")
+        time.sleep(POLL_S)  # ok: polling with a deadline
 
 
 # --- measurements -------------------------------------------------------------------------------
@@ -396,10 +411,14 @@ def run_subject(
     measure_during: bool,
     query_kinds: Sequence[str],
     ingest_timeout_s: float,
+    serve_args: Sequence[str] = (),
 ) -> SubjectResult:
     """One service on its own: start, attach, ingest round 0 (timed), RSS, idle queries, round 1 + queries."""
     result = SubjectResult(kind, feed.num_blocks)
-    with Publishers(feed.payloads) as publishers, start_subject(kind, publishers, feed) as subject:
+    with (
+        Publishers(feed.payloads) as publishers,
+        start_subject(kind, publishers, feed, serve_args) as subject,
+    ):
         publishers.await_subscribers()
         result.rss_before = subject.rss_bytes()
         publishers.start_round(0)

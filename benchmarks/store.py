@@ -9,6 +9,11 @@ server), and failover: two `kvindex serve --store` replicas, kill -9 of the one 
 the other's /v1/pods names it the owner of all (the lease handover itself; the ring rejoin after it
 depends on the ring's size).
 
+And end to end, what a router sees: `kvindex serve` with the memory store vs `kvindex serve --store redis://`
+fed the same vLLM event bytes (benchmarks/compare.py's publishers, 100 engines x 10,000 blocks), then
+`POST /v1/score` p50/p99 with 8192 token ids (hashing included) and with 512 block hashes, every answer
+checked against a brute-force walk over the engines' stored blocks.
+
     python -m benchmarks.store [--quick]      (or python -m benchmarks --only store)
 """
 
@@ -164,6 +169,59 @@ def measure_failover(server: RedisServer, ttl_s: float, num_pods: int = 8) -> fl
         second.stop()
 
 
+def measure_http(server: RedisServer, quick: bool) -> dict[str, Any]:
+    """/v1/score latency of `kvindex serve` on the memory store and on Redis (see the module docstring)."""
+    import redis
+
+    from benchmarks.compare import build, run_subject
+    from benchmarks.workload import WorkloadSpec
+
+    if quick:
+        spec = WorkloadSpec(num_engines=4, blocks_per_engine=200, num_prefixes=2, num_queries=20)
+    else:
+        spec = WorkloadSpec(num_engines=100, blocks_per_engine=10_000, num_prefixes=10, num_queries=200)
+    feed = build(spec, lambda message: print(message, file=sys.stderr, flush=True))
+    client = redis.Redis.from_url(server.url)
+    client.flushall()
+    client.close()
+    subjects = {
+        "memory store": (),
+        "Redis": ("--store", server.url, "--replica-id", "r1", "--lease-ttl", "2"),
+    }
+    out: dict[str, Any] = {}
+    for name, serve_args in subjects.items():
+        result = run_subject(
+            f"kvindex ({name})",
+            feed,
+            measure_during=False,
+            query_kinds=("tokens", "hashes"),
+            ingest_timeout_s=120 if quick else 900,
+            serve_args=serve_args,
+        )
+        out[name] = result.to_json()
+    return out
+
+
+def http_rows(http: dict[str, Any]) -> list[list[str]]:
+    memory = http["memory store"]["idle"]
+    rows = []
+    for name, result in http.items():
+        for kind, label in (("tokens", "8192 token ids"), ("hashes", "512 block hashes")):
+            lat = result["idle"][kind]
+            base = memory[kind]["p99_ms"]
+            rows.append(
+                [
+                    name,
+                    label,
+                    f"{lat['p50_ms']:.2f}",
+                    f"{lat['p99_ms']:.2f}",
+                    f"{lat['p99_ms'] / base:.2f}x",
+                    f"{lat['correct']}/{lat['checked']}",
+                ]
+            )
+    return rows
+
+
 def run(quick: bool, ttl_s: float = 10.0) -> dict[str, Any]:
     num_pods, blocks_per_pod, prefix_blocks, num_prompts = _sizes(quick)
     print(
@@ -178,6 +236,7 @@ def run(quick: bool, ttl_s: float = 10.0) -> dict[str, Any]:
                 server, replicas, quick
             )
         failover_s = measure_failover(server, ttl_s)
+        http = measure_http(server, quick)
     memory = results["memory store (KVIndex)"]
     rows = []
     for name, r in results.items():
@@ -213,7 +272,16 @@ def run(quick: bool, ttl_s: float = 10.0) -> dict[str, Any]:
     print(
         f"failover (lease TTL {ttl_s:g} s): kill -9 of the owner -> the other owns every pod in {failover_s:.2f} s"
     )
+    print()
+    print("== /v1/score end to end (kvindex serve, HTTP keep-alive client, idle):")
+    print(
+        format_table(
+            ["store", "request", "p50 ms", "p99 ms", "p99 vs memory", "correct"],
+            http_rows(http),
+        )
+    )
     results["failover_s"] = failover_s
+    results["http"] = http
     results["lease_ttl_s"] = ttl_s
     return results
 
