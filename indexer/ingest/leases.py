@@ -13,6 +13,12 @@ Who takes a free pod: the live replica that rendezvous hashing prefers (pods spr
 any replica once the pod has been free for FREE_TICKS_BEFORE_ANY ticks (the preferred one is not taking
 it). A dead replica's heartbeat expires with its leases, so its pods' preferred replicas change then, and
 they are taken within the TTL plus one tick.
+
+Rebalancing: a replica that joins later (or came back after a restart) would otherwise own nothing until
+another one died. So an owner hands a pod over (releases its lease; the preferred replica takes it at its
+next tick and rejoins it from the ring) once the preferred replica has been live for REBALANCE_AFTER_TICKS
+ticks in a row, at most max(1, held / REBALANCE_SHARE) pods per tick: a flickering heartbeat moves
+nothing, and a big owner sheds its pods gradually, each rebuilt before the next few go.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ from kvindex.indexer.store import LeaseClaim, LeaseStore, StoreReset, StoreUnava
 log = logging.getLogger("kvindex.indexer.ingest")
 
 FREE_TICKS_BEFORE_ANY = 3
+REBALANCE_AFTER_TICKS = 10
+REBALANCE_SHARE = 10
+# A pod handed over is not handed over again for this many ticks: if the preferred replica never takes it
+# (its pod list lacks it), it comes back to us through FREE_TICKS_BEFORE_ANY and stays, instead of
+# bouncing every few ticks.
+REBALANCE_BACKOFF_TICKS = 300
 
 
 def preferred_replica(pod: PodRef, replicas: Sequence[str]) -> str | None:
@@ -74,10 +86,14 @@ class LeaseManager:
         self._published: dict[PodRef, str] = {}  # pod -> state its owner published
         self._free_ticks: dict[PodRef, int] = {}
         self._replicas: dict[str, list[str]] = {}  # model -> live replica ids
+        self._live_ticks: dict[str, dict[str, int]] = {}  # model -> replica -> ticks live in a row
+        self._handed_at: dict[PodRef, int] = {}  # pod -> tick of its last handover
+        self._ticks = 0
         self._last_ok: dict[str, float] = {}  # model -> when its last tick succeeded
         self.store_error: str | None = None  # the last tick's store error (None: the store answered)
         self.takeovers = 0  # leases taken
         self.losses = 0  # leases lost (not released)
+        self.handovers = 0  # leases released to the replica that rendezvous hashing prefers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,6 +143,7 @@ class LeaseManager:
     # -- one tick ------------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        self._ticks += 1
         by_model: dict[str, list[Stream]] = {}
         for stream in self._streams.all():
             by_model.setdefault(stream.model, []).append(stream)
@@ -168,6 +185,8 @@ class LeaseManager:
             claims.append(LeaseClaim(pod, held, want, state))
         live, views = store.lease_tick(self.replica_id, int(self.ttl_s * 1000), claims)
         self._replicas[model] = live
+        before = self._live_ticks.get(model, {})
+        self._live_ticks[model] = {replica: before.get(replica, 0) + 1 for replica in live}
         for stream, claim, view in zip(streams, claims, views, strict=True):
             pod = stream.ref
             token = view.token
@@ -201,6 +220,42 @@ class LeaseManager:
                 )
                 stream.own_pending = True
                 self._submit(pod.pod_id, ControlItem("own", pod))
+        self._hand_over(model, store, streams)
+
+    def _hand_over(self, model: str, store: LeaseStore, streams: list[Stream]) -> None:
+        """Release held pods that a long-live other replica is preferred for (see the module docstring)."""
+        live = self._replicas.get(model, [])
+        settled = [r for r, n in self._live_ticks.get(model, {}).items() if n >= REBALANCE_AFTER_TICKS]
+        if len(settled) < 2 or self.replica_id not in live:
+            return
+        mine = [stream for stream in streams if stream.ref in self._held and stream.owned]
+        budget = max(1, len(self._held) // REBALANCE_SHARE)
+        for stream in mine:
+            preferred = preferred_replica(stream.ref, live)
+            if preferred == self.replica_id or preferred not in settled:
+                continue
+            if (
+                self._ticks - self._handed_at.get(stream.ref, -REBALANCE_BACKOFF_TICKS)
+                < REBALANCE_BACKOFF_TICKS
+            ):
+                continue
+            token = self._held[stream.ref]
+            self._disown(stream, store)  # no write of ours after the release: the fence goes first
+            try:
+                store.release_lease(stream.ref, token)
+            except StoreUnavailable:
+                return  # it lapses within the TTL; the preferred replica takes it then
+            self.handovers += 1
+            self._handed_at[stream.ref] = self._ticks
+            log.info(
+                "pod %s rank %d: ingest lease handed over to %s (rendezvous hashing prefers it)",
+                stream.ref.pod_id,
+                stream.ref.dp_rank,
+                preferred,
+            )
+            budget -= 1
+            if not budget:
+                return
 
     def _disown(self, stream: Stream, store: LeaseStore) -> None:
         self._held.pop(stream.ref, None)

@@ -4,7 +4,8 @@
 Expected scores come from the engines' own record of what they hold (tests/engines.py), never from
 kvindex. Covers: both replicas exact with the pods split between them; kill -9 of one replica (its pods
 taken over within the lease TTL, exact again); redis-server restarted empty (exact again); redis-server
-down (503s with `store: ...`, then recovery); a stalled redis-server (scores wait, health checks do not);
+down (503s with `store: ...`, then recovery); a replica started later (handed its share of the pods); a
+stalled redis-server (scores wait, health checks do not);
 a replica on a real 3-node Redis Cluster, named by `redis+cluster://` or detected behind a plain
 `redis://` URL (exact, owning every pod); a cluster URL naming DB 1 (refused at start); and the store-less
 alternative (two in-memory replicas each consuming every pod give the same scores).
@@ -199,6 +200,37 @@ def test_kill_9_of_an_owner_hands_its_pods_over_within_the_ttl(
     assert took_s <= TAKEOVER_LIMIT_S
     fleet.store_round()  # written while the survivor is the only replica
     await_exact([survivor], fleet, "exact after the takeover")
+
+
+def test_a_replica_started_later_is_handed_its_share_of_the_pods(fleet: Fleet, redis_url: str) -> None:
+    args = ("--store", redis_url, "--lease-ttl", str(LEASE_TTL_S))
+    first = replica(fleet, *args, "--replica-id", "r1")
+    late = replica(fleet, *args, "--replica-id", "late")
+    try:
+        first.start()
+        wait_for(lambda: set(owners(first).values()) == {"r1"}, timeout_s=20, what="r1 owning every pod")
+        await_exact([first], fleet, "exact from the only replica")
+        late.start()
+        # Once "late" has been live for 10 lease ticks, r1 hands over the pods rendezvous hashing gives
+        # it, one per tick: wait for a split that holds over a whole TTL.
+        seen: list[dict[str, str | None]] = []
+
+        def settled_split() -> bool:
+            seen.append(owners(late))
+            recent = seen[-int(LEASE_TTL_S / 0.2) :]
+            return set(seen[-1].values()) == {"r1", "late"} and all(split == seen[-1] for split in recent)
+
+        wait_for(
+            settled_split, timeout_s=40, poll_s=0.2, what="the pods split between r1 and the later replica"
+        )
+        split = seen[-1]
+        fleet.store_round()
+        await_exact([first, late], fleet, "exact from both after the handover")
+        time.sleep(2 * LEASE_TTL_S)  # ok: a settled split must stay put (no pod bouncing back and forth)
+        assert owners(first) == owners(late) == split
+    finally:
+        late.stop()
+        first.stop()
 
 
 def test_redis_restarted_empty_every_pod_rejoins(
