@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import xxhash
@@ -22,6 +22,15 @@ SEGMENT_BLOCKS: Final = 16
 LowIds = bool | None
 # A hit the caller must re-check: (first block, stop block, key to settle, or None if already settled).
 LowCheck = tuple[int, int, "tuple[Any, ...] | None"]
+# (data, start, width, count) -> the tags of `count` consecutive `width`-byte runs of data from `start`.
+SegmentTagger = Callable[[bytes, int, int, int], list[int]]
+
+
+def xxh3_segment_tags(data: bytes, start: int, width: int, count: int) -> list[int]:
+    """The pure-Python tagger: xxh3-128 of each run (the compiled core brings its own, XXH64, in C)."""
+    view = memoryview(data)
+    tag = xxhash.xxh3_128_intdigest
+    return [tag(view[offset : offset + width]) for offset in range(start, start + count * width, width)]
 
 
 class DigestMemo:
@@ -43,7 +52,9 @@ class DigestMemo:
     and it cannot walk a chain.)
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, segment_tags: SegmentTagger = xxh3_segment_tags) -> None:
+        # A memo keeps one tagger for life: its keys are only ever compared with keys it made itself.
+        self._segment_tags = segment_tags
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
@@ -79,8 +90,7 @@ class DigestMemo:
         missed_segments: list[int] = []
         parent = root
         index = 0
-        view = memoryview(token_bytes)
-        tag = xxhash.xxh3_128_intdigest
+        segment_tags = self._segment_tags
         with self._lock:
             segments, blocks = self._segments, self._blocks
             get_segment, touch_segment = segments.get, segments.move_to_end
@@ -88,10 +98,7 @@ class DigestMemo:
                 # The common case, at a minimum of work per segment: tags in one comprehension, and the
                 # stored run compared in place (startswith) rather than through a 1 KiB slice.
                 at_offset = token_bytes.startswith
-                tags = [
-                    tag(view[start : start + seg_width])
-                    for start in range(0, full_end * block_width, seg_width)
-                ]
+                tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
                 if seg_tags is not None:
                     seg_tags.extend(tags)
                 for seg_tag in tags:
@@ -111,7 +118,7 @@ class DigestMemo:
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        tag(view[start : start + seg_width]),
+                        segment_tags(token_bytes, start, seg_width, 1)[0],
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = get_segment(seg_key)
@@ -175,8 +182,6 @@ class DigestMemo:
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
-        view = memoryview(token_bytes)
-        tag = xxhash.xxh3_128_intdigest
         starts = dict.fromkeys(missed_segments)
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries: list[tuple[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]]] = []
@@ -184,7 +189,9 @@ class DigestMemo:
             start = index * block_width
             seg_key = (
                 root if index == 0 else digests[index - 1],
-                seg_tags[index // seg] if seg_tags else tag(view[start : start + seg_width]),
+                seg_tags[index // seg]
+                if seg_tags
+                else self._segment_tags(token_bytes, start, seg_width, 1)[0],
                 None if extras is None else tuple(extras[index : index + seg]),
             )
             run = token_bytes[start : start + seg_width]
