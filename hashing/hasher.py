@@ -238,20 +238,22 @@ class BlockHasher:
             lookahead=lookahead,
         )
         if self._memo is not None and request_extras.is_plain and type(token_ids) in (list, tuple):
-            digests = self._chain_exact(self._memo, token_ids)  # type: ignore[arg-type]
+            digests = None
+            if self._compiled is not None:
+                digests = self._chain_exact(self._compiled, self._memo, token_ids)  # type: ignore[arg-type]
             if digests is None:
                 digests = self._chain_plain(self._memo, token_ids)  # type: ignore[arg-type]
             if digests is not None:
                 return digests
         return self._chain_validated(token_ids, request_extras)
 
-    def _chain_exact(self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]) -> list[bytes] | None:
+    def _chain_exact(
+        self, core: compiled.ChainCore, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]
+    ) -> list[bytes] | None:
         """_chain_plain for the compiled core: its packer also proves every id an exact int, so neither
-        the memo hits' low-id re-checks nor a validation pass over the rest are needed. None without the
-        core, or when an id is not an exact int below 2**32: _chain_plain then takes the prompt."""
-        if self._compiled is None:
-            return None
-        token_bytes = self._compiled.pack_ids(token_ids)
+        the memo hits' low-id re-checks nor a validation pass over the rest are needed. None when an id
+        is not an exact int below 2**32: _chain_plain then takes the prompt."""
+        token_bytes = core.pack_ids(token_ids)
         if token_bytes is None:
             return None
         block_size = self._block_size
@@ -364,7 +366,8 @@ class BlockHasher:
             if found is not None:  # None: what C leaves to the reference (ids >= 2**64, huge blocks)
                 digests.extend(found)
                 return
-        tokens = tuple(tokens)  # the compiled path may pass a list; pickle must see the tuple vLLM hashes
+        if type(tokens) is not tuple:  # the compiled path passes lists; pickle must see vLLM's tuple
+            tokens = tuple(tokens)
         if self._algo.uses_cbor:
             self._hash_cbor(tokens, extras, first, stop, digests)
         else:

@@ -26,13 +26,6 @@ LowCheck = tuple[int, int, "tuple[Any, ...] | None"]
 SegmentTagger = Callable[[bytes, int, int, int], list[int]]
 
 
-def xxh3_segment_tags(data: bytes, start: int, width: int, count: int) -> list[int]:
-    """The pure-Python tagger: xxh3-128 of each run (the compiled core brings its own, XXH64, in C)."""
-    view = memoryview(data)
-    tag = xxhash.xxh3_128_intdigest
-    return [tag(view[offset : offset + width]) for offset in range(start, start + count * width, width)]
-
-
 class DigestMemo:
     """LRU memo: (parent digest, tokens, extra keys) -> digest(s); the parent pins the whole prefix.
 
@@ -52,8 +45,10 @@ class DigestMemo:
     and it cannot walk a chain.)
     """
 
-    def __init__(self, capacity_blocks: int, segment_tags: SegmentTagger = xxh3_segment_tags) -> None:
-        # A memo keeps one tagger for life: its keys are only ever compared with keys it made itself.
+    def __init__(self, capacity_blocks: int, segment_tags: SegmentTagger | None = None) -> None:
+        # The tagger: None for xxh3-128 computed inline (the pure path, unchanged), or the compiled
+        # core's (XXH64, every segment in one call). A memo keeps one for life: it only ever compares its
+        # keys with keys it made itself, and a tag is never part of a result.
         self._segment_tags = segment_tags
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
@@ -90,6 +85,8 @@ class DigestMemo:
         missed_segments: list[int] = []
         parent = root
         index = 0
+        view = memoryview(token_bytes)
+        tag = xxhash.xxh3_128_intdigest
         segment_tags = self._segment_tags
         with self._lock:
             segments, blocks = self._segments, self._blocks
@@ -98,7 +95,13 @@ class DigestMemo:
                 # The common case, at a minimum of work per segment: tags in one comprehension, and the
                 # stored run compared in place (startswith) rather than through a 1 KiB slice.
                 at_offset = token_bytes.startswith
-                tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
+                if segment_tags is None:
+                    tags = [
+                        tag(view[start : start + seg_width])
+                        for start in range(0, full_end * block_width, seg_width)
+                    ]
+                else:
+                    tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
                 if seg_tags is not None:
                     seg_tags.extend(tags)
                 for seg_tag in tags:
@@ -118,7 +121,9 @@ class DigestMemo:
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        segment_tags(token_bytes, start, seg_width, 1)[0],
+                        tag(view[start : start + seg_width])
+                        if segment_tags is None
+                        else segment_tags(token_bytes, start, seg_width, 1)[0],
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = get_segment(seg_key)
@@ -182,6 +187,8 @@ class DigestMemo:
         num_blocks = len(digests)
         full_end = num_blocks - num_blocks % seg
         first_unlooked = -(-first_new // seg) * seg
+        view = memoryview(token_bytes)
+        tag = xxhash.xxh3_128_intdigest
         starts = dict.fromkeys(missed_segments)
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries: list[tuple[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]]] = []
@@ -191,6 +198,8 @@ class DigestMemo:
                 root if index == 0 else digests[index - 1],
                 seg_tags[index // seg]
                 if seg_tags
+                else tag(view[start : start + seg_width])
+                if self._segment_tags is None
                 else self._segment_tags(token_bytes, start, seg_width, 1)[0],
                 None if extras is None else tuple(extras[index : index + seg]),
             )
