@@ -2,7 +2,8 @@
 
 The first step of the read path: a prompt's token ids (plus LoRA, multimodal, cache-salt, prompt-embeds
 and lookahead inputs) -> the chained block digests, and the 64-bit form KV events carry. Pure code: no IO,
-no globals; the seed is an argument.
+no globals but one, the hash core chosen at import (compiled or pure Python: hashing/compiled.py); the
+seed is an argument.
 """
 
 from kvindex.hashing.algorithms import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, event_hash, root_hash

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 import xxhash
-from kvindex.hashing import cbor_fast
+from kvindex.hashing import cbor_fast, compiled
 from kvindex.hashing.algorithms import (
     SHA256,
     HashAlgo,
@@ -112,13 +112,21 @@ class BlockHasher:
         self._block_size = block_size
         self._seed = resolve_seed(self._algo, seed)
         self._root = root_hash(self._algo, seed)
-        self._memo = DigestMemo(memo_size) if memo_size else None
         self._cbor_array_head = cbor_fast.array_head(block_size)
         self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
+        self._compiled = compiled.core_for(self._algo.name)
+        self._memo = self._make_memo(memo_size)
         if self._algo.uses_cbor:
             # Built here rather than by the first prompt, so a service that makes its hashers at start-up
             # does not make its first request wait for the table.
             cbor_fast.token_table()
+
+    def _make_memo(self, memo_size: int) -> DigestMemo | None:
+        if not memo_size:
+            return None
+        if self._compiled is not None:
+            return DigestMemo(memo_size, self._compiled.segment_tags)
+        return DigestMemo(memo_size)
 
     @property
     def algo(self) -> str:
@@ -178,10 +186,7 @@ class BlockHasher:
         tokens, _ = _prepare(token_ids)
         digests = [parent]
         num_blocks = len(tokens) // self._block_size
-        if self._algo.uses_cbor:
-            self._hash_cbor(tokens, None, 0, num_blocks, digests)
-        else:
-            self._hash_pickle(tokens, None, 0, num_blocks, digests)
+        self._hash_blocks(tokens, None, 0, num_blocks, digests)
         return digests[1:]
 
     def event_extra_keys(
@@ -233,10 +238,40 @@ class BlockHasher:
             lookahead=lookahead,
         )
         if self._memo is not None and request_extras.is_plain and type(token_ids) in (list, tuple):
-            digests = self._chain_plain(self._memo, token_ids)  # type: ignore[arg-type]
+            digests = None
+            if self._compiled is not None:
+                digests = self._chain_exact(self._compiled, self._memo, token_ids)  # type: ignore[arg-type]
+            if digests is None:
+                digests = self._chain_plain(self._memo, token_ids)  # type: ignore[arg-type]
             if digests is not None:
                 return digests
         return self._chain_validated(token_ids, request_extras)
+
+    def _chain_exact(
+        self, core: compiled.ChainCore, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]
+    ) -> list[bytes] | None:
+        """_chain_plain for the compiled core: its packer also proves every id an exact int, so neither
+        the memo hits' low-id re-checks nor a validation pass over the rest are needed. None when an id
+        is not an exact int below 2**32: _chain_plain then takes the prompt."""
+        token_bytes = core.pack_ids(token_ids)
+        if token_bytes is None:
+            return None
+        block_size = self._block_size
+        block_width = _KEY_ITEMSIZE * block_size
+        num_blocks = len(token_ids) // block_size
+        digests: list[bytes] = []
+        seg_tags: list[int] = []
+        missed_segments = memo.resolve(
+            self._root, token_bytes, block_width, num_blocks, None, digests, [], seg_tags
+        )
+        first_new = len(digests)
+        if first_new < num_blocks:
+            rest = token_ids[first_new * block_size : num_blocks * block_size]
+            self._hash_blocks(rest, None, first_new, num_blocks, digests)
+            memo.record(
+                self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+            )
+        return digests
 
     def _chain_plain(self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]) -> list[bytes] | None:
         """The memoised path for prompts without extra keys: one C pass packs every id (refusing
@@ -272,10 +307,7 @@ class BlockHasher:
         # One C pass: exact ints (bools, floats, strings refused); the pack already refused negatives.
         rest = _exact_ints(token_ids[first_new * block_size :])
         if first_new < num_blocks:
-            if self._algo.uses_cbor:
-                self._hash_cbor(rest, None, first_new, num_blocks, digests)
-            else:
-                self._hash_pickle(rest, None, first_new, num_blocks, digests)
+            self._hash_blocks(rest, None, first_new, num_blocks, digests)
             memo.record(
                 self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
             )
@@ -300,10 +332,7 @@ class BlockHasher:
         first_new = len(digests)
         if first_new < num_blocks:
             rest = tokens[first_new * block_size :]
-            if self._algo.uses_cbor:
-                self._hash_cbor(rest, extras, first_new, num_blocks, digests)
-            else:
-                self._hash_pickle(rest, extras, first_new, num_blocks, digests)
+            self._hash_blocks(rest, extras, first_new, num_blocks, digests)
             if memo is not None and token_bytes is not None:
                 memo.record(
                     self._root,
@@ -315,6 +344,34 @@ class BlockHasher:
                     missed_segments,
                 )
         return digests
+
+    def _hash_blocks(
+        self,
+        tokens: Sequence[int],
+        extras: list[ExtraKeys] | None,
+        first: int,
+        stop: int,
+        digests: list[bytes],
+    ) -> None:
+        """Append blocks first..stop-1 to `digests` (which holds blocks 0..first-1); `tokens` starts at
+        block `first`. Plain blocks of the sha256 algorithms go to the compiled core when it is in use."""
+        if extras is None and self._compiled is not None:
+            found = self._compiled.chain(
+                digests[-1] if digests else self._root,
+                tokens,
+                self._block_size,
+                stop - first,
+                self._algo.uses_cbor,
+            )
+            if found is not None:  # None: what C leaves to the reference (ids >= 2**64, huge blocks)
+                digests.extend(found)
+                return
+        if type(tokens) is not tuple:  # the compiled path passes lists; pickle must see vLLM's tuple
+            tokens = tuple(tokens)
+        if self._algo.uses_cbor:
+            self._hash_cbor(tokens, extras, first, stop, digests)
+        else:
+            self._hash_pickle(tokens, extras, first, stop, digests)
 
     def _hash_pickle(
         self,

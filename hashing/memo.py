@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import xxhash
@@ -22,6 +22,8 @@ SEGMENT_BLOCKS: Final = 16
 LowIds = bool | None
 # A hit the caller must re-check: (first block, stop block, key to settle, or None if already settled).
 LowCheck = tuple[int, int, "tuple[Any, ...] | None"]
+# (data, start, width, count) -> the tags of `count` consecutive `width`-byte runs of data from `start`.
+SegmentTagger = Callable[[bytes, int, int, int], list[int]]
 
 
 class DigestMemo:
@@ -43,7 +45,11 @@ class DigestMemo:
     and it cannot walk a chain.)
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, segment_tags: SegmentTagger | None = None) -> None:
+        # The tagger: None for xxh3-128 computed inline (the pure path, unchanged), or the compiled
+        # core's (XXH64, every segment in one call). A memo keeps one for life: it only ever compares its
+        # keys with keys it made itself, and a tag is never part of a result.
+        self._segment_tags = segment_tags
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
@@ -81,6 +87,7 @@ class DigestMemo:
         index = 0
         view = memoryview(token_bytes)
         tag = xxhash.xxh3_128_intdigest
+        segment_tags = self._segment_tags
         with self._lock:
             segments, blocks = self._segments, self._blocks
             get_segment, touch_segment = segments.get, segments.move_to_end
@@ -88,10 +95,13 @@ class DigestMemo:
                 # The common case, at a minimum of work per segment: tags in one comprehension, and the
                 # stored run compared in place (startswith) rather than through a 1 KiB slice.
                 at_offset = token_bytes.startswith
-                tags = [
-                    tag(view[start : start + seg_width])
-                    for start in range(0, full_end * block_width, seg_width)
-                ]
+                if segment_tags is None:
+                    tags = [
+                        tag(view[start : start + seg_width])
+                        for start in range(0, full_end * block_width, seg_width)
+                    ]
+                else:
+                    tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
                 if seg_tags is not None:
                     seg_tags.extend(tags)
                 for seg_tag in tags:
@@ -111,7 +121,9 @@ class DigestMemo:
                 if index % seg == 0 and index < full_end:
                     seg_key = (
                         parent,
-                        tag(view[start : start + seg_width]),
+                        tag(view[start : start + seg_width])
+                        if segment_tags is None
+                        else segment_tags(token_bytes, start, seg_width, 1)[0],
                         None if extras is None else tuple(extras[index : index + seg]),
                     )
                     found = get_segment(seg_key)
@@ -184,7 +196,11 @@ class DigestMemo:
             start = index * block_width
             seg_key = (
                 root if index == 0 else digests[index - 1],
-                seg_tags[index // seg] if seg_tags else tag(view[start : start + seg_width]),
+                seg_tags[index // seg]
+                if seg_tags
+                else tag(view[start : start + seg_width])
+                if self._segment_tags is None
+                else self._segment_tags(token_bytes, start, seg_width, 1)[0],
                 None if extras is None else tuple(extras[index : index + seg]),
             )
             run = token_bytes[start : start + seg_width]

@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from kvindex.hashing import BlockHasher
+from kvindex.hashing import BlockHasher, compiled
 from kvindex.replay.publisher import EventPublisher
 from kvindex.replay.wire import BlockStored
 from waiting import wait_for
@@ -78,6 +78,7 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     assert "stopped" in stderr  # the shutdown log line
     # The start-up lines an operator checks the settings with.
     assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
+    assert stderr.count("block hashing: ") == 1 and compiled.describe() in stderr  # which hash core runs
     assert (
         f"pod pod-a dp rank 0 (model m, from --pod): events {engine.endpoint}, replay {engine.replay_endpoint}"
         in stderr

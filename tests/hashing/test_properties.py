@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError, MMItem, event_hash
 from kvindex.hashing.cbor_fast import array_head, encode_tokens
 
+# Every test here runs with both hash cores: compiled and pure Python (tests/hashing/conftest.py).
+pytestmark = pytest.mark.usefixtures("hash_core")
+
 EDGE_INTS = [
     0,
     1,

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from kvindex.hashing import BlockHasher, HashingError, MMItem, event_hash, hybrid_block_hashes
 
+# Every test here runs with both hash cores: compiled and pure Python (tests/hashing/conftest.py).
+pytestmark = pytest.mark.usefixtures("hash_core")
+
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "vectors"
 _VECTORS = json.loads((VECTORS_DIR / "hash-vectors.json").read_text(encoding="utf-8"))
 _RAW = json.loads((VECTORS_DIR / "vllm-0.33.0-raw-vectors.json").read_text(encoding="utf-8"))

@@ -1,0 +1,617 @@
+/* kvindex.hashing._chain: the compiled core of vLLM's block-hash chain for sha256 and sha256_cbor.
+ *
+ * For blocks without extra keys, digest_i = SHA-256(serialize((parent, tuple(block_i tokens), None))),
+ * parent = digest_{i-1} (or the caller's digest for block 0), where serialize is pickle.dumps(protocol=5)
+ * or cbor2.dumps(canonical=True). The preimage bytes are built here exactly as those serialisers build
+ * them (hashing/hasher.py stays the reference; tests/hashing/test_compiled.py proves equality), and
+ * hashed with OpenSSL's libcrypto, the same SHA-256 hashlib uses.
+ *
+ * Anything this encoder does not reproduce returns None, so the caller runs the pure-Python path:
+ * a token that is not an exact int in [0, 2**64), a parent of 256 bytes or more, or a block so long that
+ * pickle would split it into several frames.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <openssl/evp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DIGEST_SIZE 32
+/* pickle starts a new frame once one reaches 64 KiB; below this many tokens (at most 11 bytes each) a
+ * preimage always fits in one frame. vLLM's hash block sizes are far smaller. */
+#define MAX_BLOCK_SIZE 4096
+#define MAX_PARENT_SIZE 255
+/* Preimage bytes besides the tokens: pickle's header, frame, parent opcode and tail; more than CBOR's. */
+#define PREIMAGE_OVERHEAD (11 + 2 + MAX_PARENT_SIZE + 1 + 1 + 2 + 4 + 1)
+/* Below this many blocks, dropping and re-taking the GIL costs more than it lets other threads do. */
+#define RELEASE_GIL_BLOCKS 8
+
+static EVP_MD *sha256_md = NULL;
+
+/* ---- pickle protocol 5, as CPython's _pickle.c writes (parent, tokens, None) ---- */
+
+static unsigned char *
+pickle_int(unsigned char *out, uint64_t value)
+{
+    int nbits;
+    int nbytes;
+    int i;
+
+    if (value <= 0xff) { /* BININT1 */
+        *out++ = 'K';
+        *out++ = (unsigned char)value;
+        return out;
+    }
+    if (value <= 0xffff) { /* BININT2 */
+        *out++ = 'M';
+        *out++ = (unsigned char)(value & 0xff);
+        *out++ = (unsigned char)(value >> 8);
+        return out;
+    }
+    if (value <= 0x7fffffff) { /* BININT: a signed 4-byte int */
+        *out++ = 'J';
+        for (i = 0; i < 4; i++) {
+            *out++ = (unsigned char)(value >> (8 * i));
+        }
+        return out;
+    }
+    /* LONG1: little-endian two's complement, (bit length // 8) + 1 bytes, as save_long sizes it. */
+    nbits = 64 - __builtin_clzll(value);
+    nbytes = nbits / 8 + 1;
+    *out++ = 0x8a;
+    *out++ = (unsigned char)nbytes;
+    for (i = 0; i < nbytes; i++) {
+        *out++ = i < 8 ? (unsigned char)(value >> (8 * i)) : 0;
+    }
+    return out;
+}
+
+static size_t
+pickle_preimage(unsigned char *buf, const unsigned char *parent, size_t parent_size,
+                const uint64_t *tokens, Py_ssize_t block_size)
+{
+    unsigned char *out = buf + 11; /* PROTO 5, then FRAME and its 8-byte length, filled in below */
+    uint64_t frame_size;
+    Py_ssize_t i;
+    int k;
+
+    *out++ = 'C'; /* SHORT_BINBYTES, then MEMOIZE: bytes are memoised */
+    *out++ = (unsigned char)parent_size;
+    memcpy(out, parent, parent_size);
+    out += parent_size;
+    *out++ = 0x94;
+    if (block_size > 3) {
+        *out++ = '('; /* MARK: tuples of more than 3 items end in TUPLE */
+    }
+    for (i = 0; i < block_size; i++) {
+        out = pickle_int(out, tokens[i]);
+    }
+    /* TUPLE1..3 (0x85..0x87) or TUPLE; the token tuple is memoised, then None and the outer TUPLE3 */
+    *out++ = block_size <= 3 ? (unsigned char)(0x84 + block_size) : 't';
+    *out++ = 0x94;
+    *out++ = 'N';
+    *out++ = 0x87;
+    *out++ = 0x94;
+    *out++ = '.';
+    buf[0] = 0x80;
+    buf[1] = 5;
+    buf[2] = 0x95;
+    frame_size = (uint64_t)(out - (buf + 11));
+    for (k = 0; k < 8; k++) {
+        buf[3 + k] = (unsigned char)(frame_size >> (8 * k));
+    }
+    return (size_t)(out - buf);
+}
+
+/* ---- canonical CBOR, as cbor2.dumps(canonical=True) writes [parent, [tokens...], null] ---- */
+
+static unsigned char *
+cbor_head(unsigned char *out, unsigned char major, uint64_t value)
+{
+    int width;
+    int i;
+
+    if (value < 24) {
+        *out++ = major | (unsigned char)value;
+        return out;
+    }
+    if (value <= 0xff) {
+        *out++ = major | 24;
+        width = 1;
+    }
+    else if (value <= 0xffff) {
+        *out++ = major | 25;
+        width = 2;
+    }
+    else if (value <= 0xffffffffULL) {
+        *out++ = major | 26;
+        width = 4;
+    }
+    else {
+        *out++ = major | 27;
+        width = 8;
+    }
+    for (i = width - 1; i >= 0; i--) { /* big-endian */
+        *out++ = (unsigned char)(value >> (8 * i));
+    }
+    return out;
+}
+
+static size_t
+cbor_preimage(unsigned char *buf, const unsigned char *parent, size_t parent_size,
+              const uint64_t *tokens, Py_ssize_t block_size)
+{
+    unsigned char *out = buf;
+    Py_ssize_t i;
+
+    *out++ = 0x83; /* array of 3 */
+    out = cbor_head(out, 0x40, parent_size);
+    memcpy(out, parent, parent_size);
+    out += parent_size;
+    out = cbor_head(out, 0x80, (uint64_t)block_size);
+    for (i = 0; i < block_size; i++) {
+        out = cbor_head(out, 0x00, tokens[i]);
+    }
+    *out++ = 0xf6; /* null */
+    return (size_t)(out - buf);
+}
+
+/* ---- the chain ---- */
+
+typedef struct {
+    const uint64_t *tokens;
+    Py_ssize_t block_size;
+    Py_ssize_t num_blocks;
+    int cbor;
+    const unsigned char *parent;
+    size_t parent_size;
+    unsigned char *preimage; /* scratch: one block's serialised bytes */
+    unsigned char *digests;  /* out: num_blocks * DIGEST_SIZE bytes */
+} chain_job;
+
+/* Runs without the GIL: touches only the job's C buffers. 0 on success, -1 if OpenSSL failed. */
+static int
+run_chain(const chain_job *job)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    const unsigned char *parent = job->parent;
+    size_t parent_size = job->parent_size;
+    int ok = ctx != NULL;
+    Py_ssize_t b;
+
+    for (b = 0; ok && b < job->num_blocks; b++) {
+        const uint64_t *block = job->tokens + b * job->block_size;
+        unsigned char *digest = job->digests + b * DIGEST_SIZE;
+        size_t size = job->cbor
+            ? cbor_preimage(job->preimage, parent, parent_size, block, job->block_size)
+            : pickle_preimage(job->preimage, parent, parent_size, block, job->block_size);
+        ok = EVP_DigestInit_ex(ctx, sha256_md, NULL) && EVP_DigestUpdate(ctx, job->preimage, size)
+            && EVP_DigestFinal_ex(ctx, digest, NULL);
+        parent = digest;
+        parent_size = DIGEST_SIZE;
+    }
+    EVP_MD_CTX_free(ctx);
+    return ok ? 0 : -1;
+}
+
+/* An exact int's value if it is non-negative and below 2**30 (one digit, every token id in use), read
+ * in place; -1 for anything else, which then takes the general conversion. Saves a call per token. */
+static long
+small_value(PyObject *item)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return value >= 0 ? (long)value : -1;
+    }
+    return -1;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size == 0) {
+        return 0;
+    }
+    return size == 1 ? (long)((PyLongObject *)item)->ob_digit[0] : -1;
+#endif
+}
+
+/* The token ids as uint64; 0 on success, 1 if one is not an exact int in [0, 2**64) (no exception). */
+static int
+read_tokens(PyObject *const *items, Py_ssize_t count, uint64_t *out)
+{
+    Py_ssize_t i;
+
+    for (i = 0; i < count; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            return 1;
+        }
+        long small = small_value(items[i]);
+        out[i] = small >= 0 ? (uint64_t)small : PyLong_AsUnsignedLongLong(items[i]);
+        if (out[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or >= 2**64 */
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+digest_list(const unsigned char *digests, Py_ssize_t num_blocks)
+{
+    PyObject *list = PyList_New(num_blocks);
+    Py_ssize_t b;
+
+    if (list == NULL) {
+        return NULL;
+    }
+    for (b = 0; b < num_blocks; b++) {
+        PyObject *item = PyBytes_FromStringAndSize((const char *)digests + b * DIGEST_SIZE, DIGEST_SIZE);
+        if (item == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, b, item);
+    }
+    return list;
+}
+
+/* Hashes the job's blocks (its tokens and buffers already set) and returns their digests as a list. */
+static PyObject *
+finish_chain(chain_job *job)
+{
+    int failed;
+
+    if (job->num_blocks >= RELEASE_GIL_BLOCKS) {
+        Py_BEGIN_ALLOW_THREADS
+        failed = run_chain(job);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        failed = run_chain(job);
+    }
+    if (failed) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL's SHA-256 failed");
+        return NULL;
+    }
+    return digest_list(job->digests, job->num_blocks);
+}
+
+static PyObject *
+chain_impl(PyObject *parent_obj, PyObject *seq, Py_ssize_t block_size, Py_ssize_t num_blocks, int cbor)
+{
+    Py_ssize_t count = num_blocks * block_size;
+    size_t preimage_cap = PREIMAGE_OVERHEAD + 11 * (size_t)block_size;
+    uint64_t *tokens = NULL;
+    unsigned char *scratch = NULL;
+    PyObject *result = NULL;
+    chain_job job;
+
+    tokens = PyMem_Malloc(count > 0 ? (size_t)count * sizeof(uint64_t) : 1);
+    scratch = PyMem_Malloc(preimage_cap + (size_t)num_blocks * DIGEST_SIZE);
+    if (tokens == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (read_tokens(PySequence_Fast_ITEMS(seq), count, tokens)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    job.tokens = tokens;
+    job.block_size = block_size;
+    job.num_blocks = num_blocks;
+    job.cbor = cbor;
+    job.parent = (const unsigned char *)PyBytes_AS_STRING(parent_obj);
+    job.parent_size = (size_t)PyBytes_GET_SIZE(parent_obj);
+    job.preimage = scratch;
+    job.digests = scratch + preimage_cap;
+    result = finish_chain(&job);
+done:
+    PyMem_Free(tokens);
+    PyMem_Free(scratch);
+    return result;
+}
+
+PyDoc_STRVAR(chain_doc,
+"chain(parent, tokens, block_size, num_blocks, cbor, /)\n--\n\n"
+"SHA-256 digests of the first num_blocks blocks of block_size tokens (a list or tuple), chained from\n"
+"parent, with no extra keys: pickle protocol 5 preimages, or canonical CBOR ones if cbor is true.\n"
+"None when a token is not an exact int in [0, 2**64), parent has 256 bytes or more, or block_size\n"
+"exceeds 4096: the pure-Python path handles those.");
+
+static PyObject *
+chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t block_size;
+    Py_ssize_t num_blocks;
+    int cbor;
+
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "chain() takes 5 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "chain() wants parent bytes and a list or tuple of tokens");
+        return NULL;
+    }
+    block_size = PyLong_AsSsize_t(args[2]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    num_blocks = PyLong_AsSsize_t(args[3]);
+    if (num_blocks == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    cbor = PyObject_IsTrue(args[4]);
+    if (cbor < 0) {
+        return NULL;
+    }
+    if (block_size < 1 || num_blocks < 0 || num_blocks > PySequence_Fast_GET_SIZE(args[1]) / block_size) {
+        PyErr_SetString(PyExc_ValueError, "chain() wants block_size >= 1 and 0 <= num_blocks <= len // block_size");
+        return NULL;
+    }
+    if (block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
+        Py_RETURN_NONE;
+    }
+    return chain_impl(args[0], args[1], block_size, num_blocks, cbor);
+}
+
+PyDoc_STRVAR(pack_ids_doc,
+"pack_ids(tokens, /)\n--\n\n"
+"The token ids (a list or tuple) packed as native uint32, as array('I', tokens).tobytes() packs them;\n"
+"None unless every id is an exact int (bools refused) in [0, 2**32), so a result also proves the types.");
+
+static PyObject *
+pack_ids(PyObject *module, PyObject *seq)
+{
+    Py_ssize_t count;
+    PyObject *const *items;
+    PyObject *packed;
+    uint32_t *out;
+    Py_ssize_t i;
+
+    (void)module;
+    if (!(PyList_CheckExact(seq) || PyTuple_CheckExact(seq))) {
+        PyErr_SetString(PyExc_TypeError, "pack_ids() wants a list or tuple");
+        return NULL;
+    }
+    count = PySequence_Fast_GET_SIZE(seq);
+    items = PySequence_Fast_ITEMS(seq);
+    packed = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t));
+    if (packed == NULL) {
+        return NULL;
+    }
+    out = (uint32_t *)PyBytes_AS_STRING(packed);
+    for (i = 0; i < count; i++) {
+        unsigned long value;
+        long small;
+
+        if (!PyLong_CheckExact(items[i])) {
+            Py_DECREF(packed);
+            Py_RETURN_NONE;
+        }
+        small = small_value(items[i]);
+        value = small >= 0 ? (unsigned long)small : PyLong_AsUnsignedLong(items[i]);
+        if ((value == (unsigned long)-1 && PyErr_Occurred()) || value > UINT32_MAX) {
+            PyErr_Clear(); /* negative, or too large for the memo's keys */
+            Py_DECREF(packed);
+            Py_RETURN_NONE;
+        }
+        out[i] = (uint32_t)value;
+    }
+    return packed;
+}
+
+/* ---- the memo's segment tags: XXH64 (seed 0) of each token run ---- */
+
+#define XXH_P1 0x9E3779B185EBCA87ULL
+#define XXH_P2 0xC2B2AE3D27D4EB4FULL
+#define XXH_P3 0x165667B19E3779F9ULL
+#define XXH_P4 0x85EBCA77C2B2AE63ULL
+#define XXH_P5 0x27D4EB2F165667C5ULL
+
+static uint64_t
+rotl64(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static uint64_t
+read64le(const unsigned char *p)
+{
+    uint64_t v;
+
+    memcpy(&v, p, sizeof v); /* one unaligned load; a byte loop is not always merged into one */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static uint64_t
+xxh64_round(uint64_t acc, uint64_t input)
+{
+    return rotl64(acc + input * XXH_P2, 31) * XXH_P1;
+}
+
+static uint64_t
+xxh64_merge(uint64_t acc, uint64_t lane)
+{
+    return (acc ^ xxh64_round(0, lane)) * XXH_P1 + XXH_P4;
+}
+
+static uint64_t
+xxh64(const unsigned char *p, size_t len)
+{
+    const unsigned char *end = p + len;
+    uint64_t h;
+
+    if (len >= 32) {
+        uint64_t v1 = XXH_P1 + XXH_P2, v2 = XXH_P2, v3 = 0, v4 = 0 - XXH_P1;
+        for (; p + 32 <= end; p += 32) {
+            v1 = xxh64_round(v1, read64le(p));
+            v2 = xxh64_round(v2, read64le(p + 8));
+            v3 = xxh64_round(v3, read64le(p + 16));
+            v4 = xxh64_round(v4, read64le(p + 24));
+        }
+        h = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
+        h = xxh64_merge(xxh64_merge(xxh64_merge(xxh64_merge(h, v1), v2), v3), v4);
+    }
+    else {
+        h = XXH_P5;
+    }
+    h += (uint64_t)len;
+    for (; p + 8 <= end; p += 8) {
+        h = rotl64(h ^ xxh64_round(0, read64le(p)), 27) * XXH_P1 + XXH_P4;
+    }
+    if (p + 4 <= end) {
+        uint64_t word = (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24;
+        h = rotl64(h ^ (word * XXH_P1), 23) * XXH_P2 + XXH_P3;
+        p += 4;
+    }
+    for (; p < end; p++) {
+        h = rotl64(h ^ (*p * XXH_P5), 11) * XXH_P1;
+    }
+    h ^= h >> 33;
+    h *= XXH_P2;
+    h ^= h >> 29;
+    h *= XXH_P3;
+    h ^= h >> 32;
+    return h;
+}
+
+PyDoc_STRVAR(segment_tags_doc,
+"segment_tags(data, start, width, count, /)\n--\n\n"
+"XXH64 (seed 0) of each of count consecutive runs of width bytes of data from offset start, as ints:\n"
+"the memo's segment tags in one call instead of one slice and one call per segment.");
+
+static PyObject *
+segment_tags(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    const unsigned char *data;
+    Py_ssize_t numbers[3]; /* start, width, count */
+    Py_ssize_t width;
+    Py_ssize_t count;
+    PyObject *tags;
+    Py_ssize_t i;
+
+    (void)module;
+    if (nargs != 4 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "segment_tags() takes (bytes, start, width, count)");
+        return NULL;
+    }
+    for (i = 0; i < 3; i++) {
+        numbers[i] = PyLong_AsSsize_t(args[i + 1]);
+        if (numbers[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    width = numbers[1];
+    count = numbers[2];
+    if (numbers[0] < 0 || numbers[0] > PyBytes_GET_SIZE(args[0]) || width < 1 || count < 0
+        || count > (PyBytes_GET_SIZE(args[0]) - numbers[0]) / width) {
+        PyErr_SetString(PyExc_ValueError, "segment_tags() wants its runs inside data");
+        return NULL;
+    }
+    data = (const unsigned char *)PyBytes_AS_STRING(args[0]) + numbers[0];
+    tags = PyList_New(count);
+    if (tags == NULL) {
+        return NULL;
+    }
+    for (i = 0; i < count; i++) {
+        PyObject *tag = PyLong_FromUnsignedLongLong(xxh64(data + i * width, (size_t)width));
+        if (tag == NULL) {
+            Py_DECREF(tags);
+            return NULL;
+        }
+        PyList_SET_ITEM(tags, i, tag);
+    }
+    return tags;
+}
+
+PyDoc_STRVAR(preimage_doc,
+"preimage(parent, tokens, cbor, /)\n--\n\n"
+"The bytes chain() hashes for one block (parent, tuple(tokens), None): pickle protocol 5, or canonical\n"
+"CBOR if cbor is true. For tests, which compare them with pickle.dumps and cbor2.dumps. None where\n"
+"chain() would return None.");
+
+static PyObject *
+preimage(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t block_size;
+    uint64_t *tokens;
+    unsigned char *buf;
+    PyObject *result = NULL;
+    int cbor;
+
+    (void)module;
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "preimage() takes (bytes, list or tuple, cbor)");
+        return NULL;
+    }
+    cbor = PyObject_IsTrue(args[2]);
+    if (cbor < 0) {
+        return NULL;
+    }
+    block_size = PySequence_Fast_GET_SIZE(args[1]);
+    if (block_size < 1 || block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
+        Py_RETURN_NONE;
+    }
+    tokens = PyMem_Malloc((size_t)block_size * sizeof(uint64_t));
+    buf = PyMem_Malloc(PREIMAGE_OVERHEAD + 11 * (size_t)block_size);
+    if (tokens == NULL || buf == NULL) {
+        PyErr_NoMemory();
+    }
+    else if (read_tokens(PySequence_Fast_ITEMS(args[1]), block_size, tokens)) {
+        result = Py_NewRef(Py_None);
+    }
+    else {
+        const unsigned char *parent = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+        size_t parent_size = (size_t)PyBytes_GET_SIZE(args[0]);
+        size_t size = cbor ? cbor_preimage(buf, parent, parent_size, tokens, block_size)
+                           : pickle_preimage(buf, parent, parent_size, tokens, block_size);
+        result = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)size);
+    }
+    PyMem_Free(tokens);
+    PyMem_Free(buf);
+    return result;
+}
+
+static PyMethodDef chain_methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
+    {"pack_ids", pack_ids, METH_O, pack_ids_doc},
+    {"segment_tags", (PyCFunction)(void (*)(void))segment_tags, METH_FASTCALL, segment_tags_doc},
+    {"preimage", (PyCFunction)(void (*)(void))preimage, METH_FASTCALL, preimage_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static void
+chain_free(void *module)
+{
+    (void)module;
+    EVP_MD_free(sha256_md);
+    sha256_md = NULL;
+}
+
+static struct PyModuleDef chain_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvindex.hashing._chain",
+    .m_doc = "The compiled core of vLLM's sha256 / sha256_cbor block-hash chain (see hashing/compiled.py).",
+    .m_size = -1,
+    .m_methods = chain_methods,
+    .m_free = chain_free,
+};
+
+PyMODINIT_FUNC
+PyInit__chain(void)
+{
+    /* Fetched once: a per-call lookup by name costs about as much as hashing a block. */
+    if (sha256_md == NULL) {
+        sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+        if (sha256_md == NULL) {
+            PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA256 digest");
+            return NULL;
+        }
+    }
+    return PyModule_Create(&chain_module);
+}

@@ -1,0 +1,64 @@
+"""Which core computes the plain blocks of the sha256 / sha256_cbor chains: compiled or pure Python.
+
+The compiled core (kvindex.hashing._chain, hashing/_chain.c) is built by `pip install` when a C compiler
+and OpenSSL's headers are present; it serialises and hashes blocks without extra keys in C. The
+pure-Python code in hasher.py is the reference and runs everything else: xxhash algorithms, blocks with
+extra keys, and every block when the extension is absent or KVINDEX_PURE_PYTHON=1 was set at import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+
+class ChainCore(Protocol):
+    """What hashing/_chain.c exports (see hashing/_chain.pyi); None from either: leave it to Python."""
+
+    def chain(
+        self, parent: bytes, tokens: Sequence[int], block_size: int, num_blocks: int, cbor: bool, /
+    ) -> list[bytes] | None: ...
+
+    def pack_ids(self, tokens: Sequence[int], /) -> bytes | None: ...
+
+    def segment_tags(self, data: bytes, start: int, width: int, count: int, /) -> list[int]: ...
+
+    def preimage(self, parent: bytes, tokens: Sequence[int], cbor: bool, /) -> bytes | None: ...
+
+
+# The algorithms the compiled core serves (it hashes with SHA-256 only).
+COMPILED_ALGOS: Final = frozenset({"sha256", "sha256_cbor"})
+
+
+def pure_python_forced() -> bool:
+    """KVINDEX_PURE_PYTHON=1 (or any value but empty and 0) asks for the pure-Python path."""
+    return os.environ.get("KVINDEX_PURE_PYTHON", "") not in ("", "0")
+
+
+def load_extension() -> ChainCore | None:
+    """The compiled core if it was built and imports, whatever KVINDEX_PURE_PYTHON says; else None."""
+    try:
+        from kvindex.hashing import _chain
+    except ImportError:  # not built: no compiler or no OpenSSL headers at install time
+        return None
+    return _chain
+
+
+# NOTE: read when a BlockHasher is made (never per call), so a test can run both cores in one process by
+# setting this; everything else treats it as a constant.
+chain_core: ChainCore | None = None if pure_python_forced() else load_extension()
+
+
+def core_for(algo: str) -> ChainCore | None:
+    """The compiled core for hashers of `algo`, None where they use the pure path."""
+    return chain_core if algo in COMPILED_ALGOS else None
+
+
+def describe() -> str:
+    """One line for the logs: which core runs."""
+    if chain_core is not None:
+        return "block hashing: compiled core (sha256, sha256_cbor); xxhash algorithms in pure Python"
+    if pure_python_forced():
+        return "block hashing: pure Python (KVINDEX_PURE_PYTHON is set)"
+    return "block hashing: pure Python (the compiled core was not built)"

@@ -1,0 +1,210 @@
+"""The compiled hash core (hashing/_chain.c) against the pure-Python reference and the serialisers
+vLLM uses: byte-identical preimages, identical chains, and the switches that choose a core."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+from array import array
+
+import cbor2
+import pytest
+import xxhash
+from hash_cores import require_extension
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvindex.hashing import HASH_ALGOS, BlockHasher, compiled
+
+# Every width boundary of pickle's BININT1/BININT2/BININT/LONG1 and of CBOR's heads, both sides.
+EDGE_IDS = [
+    0,
+    1,
+    23,
+    24,
+    255,
+    256,
+    65535,
+    65536,
+    2**30 - 1,
+    2**30,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**40,
+    2**56 - 1,
+    2**56,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]
+# ids the C encoder covers: every exact int in [0, 2**64)
+token_ids = st.one_of(st.sampled_from(EDGE_IDS), st.integers(0, 2**18), st.integers(0, 2**64 - 1))
+parents = st.binary(min_size=0, max_size=255)
+block_sizes = st.sampled_from([1, 2, 3, 4, 5, 16, 17, 64])
+examples = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference_chain(parent: bytes, tokens: list[int], block_size: int, cbor: bool) -> list[bytes]:
+    """vLLM's formula: sha256 over pickle protocol 5 or canonical CBOR, block by block."""
+    digests = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        obj = (parent, tuple(tokens[start : start + block_size]), None)
+        data = cbor2.dumps(obj, canonical=True) if cbor else pickle.dumps(obj, protocol=5)
+        parent = hashlib.sha256(data).digest()
+        digests.append(parent)
+    return digests
+
+
+def test_the_extension_is_built() -> None:
+    """Skips locally without a compiler; under CI=true a missing extension fails (.ci/run builds it)."""
+    core = require_extension()
+    assert compiled.load_extension() is core
+
+
+@given(parent=parents, tokens=st.lists(token_ids, min_size=1, max_size=70), cbor=st.booleans())
+@examples
+def test_preimage_is_what_pickle_and_cbor2_write(parent: bytes, tokens: list[int], cbor: bool) -> None:
+    core = require_extension()
+    obj = (parent, tuple(tokens), None)
+    expected = cbor2.dumps(obj, canonical=True) if cbor else pickle.dumps(obj, protocol=5)
+    assert core.preimage(parent, tokens, cbor) == expected
+
+
+@pytest.mark.parametrize("cbor", [False, True])
+@pytest.mark.parametrize("token", EDGE_IDS)
+def test_every_width_boundary_serialises_exactly(token: int, cbor: bool) -> None:
+    core = require_extension()
+    for tokens in ([token], [token] * 3, [token, 0, token, 2**64 - 1]):
+        obj = (bytes(32), tuple(tokens), None)
+        expected = cbor2.dumps(obj, canonical=True) if cbor else pickle.dumps(obj, protocol=5)
+        assert core.preimage(bytes(32), tokens, cbor) == expected
+
+
+@given(
+    parent=parents,
+    tokens=st.lists(token_ids, max_size=200),
+    block_size=block_sizes,
+    cbor=st.booleans(),
+    as_tuple=st.booleans(),
+)
+@examples
+def test_chain_equals_the_reference(
+    parent: bytes, tokens: list[int], block_size: int, cbor: bool, as_tuple: bool
+) -> None:
+    core = require_extension()
+    num_blocks = len(tokens) // block_size
+    sequence = tuple(tokens) if as_tuple else tokens
+    assert core.chain(parent, sequence, block_size, num_blocks, cbor) == reference_chain(
+        parent, tokens, block_size, cbor
+    )
+
+
+@given(
+    tokens=st.lists(st.one_of(st.sampled_from(EDGE_IDS), st.integers(0, 2**20)), max_size=300),
+    block_size=block_sizes,
+    algo=st.sampled_from(HASH_ALGOS),
+    memo_size=st.sampled_from([0, 64]),
+    seed=st.sampled_from(["0", "42"]),
+)
+@examples
+def test_block_hasher_compiled_equals_pure(
+    tokens: list[int], block_size: int, algo: str, memo_size: int, seed: str
+) -> None:
+    """Differential: two BlockHashers, one per core, over the same prompts (twice: memo hits too)."""
+    core = require_extension()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "chain_core", core)
+        fast = BlockHasher(algo, block_size, seed, memo_size=memo_size)
+        patch.setattr(compiled, "chain_core", None)
+        pure = BlockHasher(algo, block_size, seed, memo_size=memo_size)
+    for prompt in (tokens, tokens + tokens[: len(tokens) // 2], tokens):
+        assert fast.block_hashes(prompt) == pure.block_hashes(prompt)
+        assert fast.block_hashes_after(pure.root[::-1], prompt) == pure.block_hashes_after(
+            pure.root[::-1], prompt
+        )
+
+
+@pytest.mark.parametrize("token", [2**64, 2**70, -1, True, 1.0])
+def test_what_the_encoder_does_not_cover_is_left_to_python(token: object) -> None:
+    core = require_extension()
+    assert core.chain(bytes(32), [1, token, 2], 3, 1, False) is None
+    assert core.preimage(bytes(32), [1, token, 2], True) is None
+    assert core.chain(bytes(256), [1, 2, 3], 3, 1, False) is None  # a parent pickle writes as BINBYTES
+    assert core.chain(bytes(32), [1] * 4097, 4097, 1, False) is None  # pickle would split the frame
+
+
+def test_ids_beyond_64_bits_still_hash_right_with_the_core() -> None:
+    """BlockHasher falls back to the reference for a prompt the C encoder refuses."""
+    require_extension()
+    tokens = [5, 2**64, 2**70, 7] * 8
+    for algo in ("sha256", "sha256_cbor"):
+        expected = reference_chain(BlockHasher(algo, 4, "0").root, tokens, 4, algo.endswith("_cbor"))
+        assert BlockHasher(algo, 4, "0").block_hashes(tokens) == expected
+
+
+@given(tokens=st.lists(st.one_of(st.sampled_from(EDGE_IDS), st.booleans(), st.integers(-3, 3)), max_size=40))
+@examples
+def test_pack_ids_is_array_packing_of_exact_uint32s(tokens: list[int]) -> None:
+    core = require_extension()
+    exact = all(type(t) is int and 0 <= t < 2**32 for t in tokens)
+    assert core.pack_ids(tokens) == (array("I", tokens).tobytes() if exact else None)
+    assert core.pack_ids(tuple(tokens)) == core.pack_ids(tokens)
+
+
+@given(data=st.binary(max_size=3000), width=st.integers(1, 1100), start=st.integers(0, 40))
+@examples
+def test_segment_tags_are_xxh64(data: bytes, width: int, start: int) -> None:
+    core = require_extension()
+    start = min(start, len(data))
+    count = (len(data) - start) // width
+    expected = [
+        xxhash.xxh64_intdigest(data[o : o + width]) for o in range(start, start + count * width, width)
+    ]
+    assert core.segment_tags(data, start, width, count) == expected
+
+
+def test_bad_arguments_raise() -> None:
+    core = require_extension()
+    with pytest.raises(ValueError):
+        core.chain(bytes(32), [1, 2, 3], 2, 2, False)  # 2 blocks of 2 need 4 tokens
+    with pytest.raises(ValueError):
+        core.chain(bytes(32), [1, 2], 0, 0, False)
+    with pytest.raises(TypeError):
+        core.chain(bytes(32), iter([1, 2]), 1, 2, False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        core.segment_tags(b"abc", 0, 2, 2)
+    with pytest.raises(ValueError):
+        core.segment_tags(b"abc", 4, 1, 0)
+
+
+CORE_PROBE = """
+import json
+from kvindex.hashing import BlockHasher, compiled
+print(json.dumps({"core": compiled.chain_core is not None,
+                  "hasher": BlockHasher("sha256")._compiled is not None,
+                  "describe": compiled.describe()}))
+"""
+
+
+def _probe(pure: str | None) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != "KVINDEX_PURE_PYTHON"}
+    if pure is not None:
+        env["KVINDEX_PURE_PYTHON"] = pure
+    result = subprocess.run(
+        [sys.executable, "-c", CORE_PROBE], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def test_kvindex_pure_python_forces_the_pure_path() -> None:
+    require_extension()  # without the extension both runs are pure anyway; nothing would be shown
+    forced = _probe("1")
+    assert forced["core"] is False and forced["hasher"] is False
+    assert "pure Python (KVINDEX_PURE_PYTHON" in str(forced["describe"])
+    assert _probe(None)["core"] is True
+    assert _probe("0")["core"] is True
