@@ -224,7 +224,7 @@ class _StoreSection(msgspec.Struct, forbid_unknown_fields=True):
         int,
         _key(
             "Shards of each model's index in the store (each an exact LRU of `max_keys / num_shards` keys); "
-            "keep `max_keys / num_shards` at or below Redis' hash-max-listpack-entries (128) for the "
+            "keep `max_keys / num_shards` at or below Redis' zset-max-listpack-entries (128) for the "
             "compact encoding.",
             ge=1,
         ),

@@ -6,15 +6,18 @@ pod's takeover or restart never holds the server for long). On a Redis Cluster (
 call names one key of its model, so the cluster runs it on the node of the model's slot, where all of that
 model's keys live.
 
-Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a hash of holders
-and a sorted set of store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU
-approximated by shards (as Redis' own maxmemory-policy approximates one by sampling). Keep each shard under
-Redis' hash/zset-max-listpack-entries (128 by default): a listpack shard costs ~40 B per (pod, block) pair,
-a shard converted to a hashtable several times more (benchmarks/store.py measures it).
+Bounded memory as in KVIndex: keys live in `num_shards` shards, each an exact key LRU (a sorted set of
+store clocks) of at most max_keys // num_shards keys, so the whole index is an LRU approximated by shards
+(as Redis' own maxmemory-policy approximates one by sampling). A block's holders are a string key of their
+own, so a score reads every block of a prompt in one MGET (~0.3 us a block in Redis) instead of a script's
+Lua calls into shard hashes (~1.3 us a block). Keep each shard under Redis' zset-max-listpack-entries (128
+by default): a listpack LRU costs ~20 B per key, a skiplist several times more. About 92 B per (pod, block)
+pair in all at 1M pairs (benchmarks/store.py), 0.94x the in-memory KVIndex's RSS per pair.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -102,6 +105,11 @@ class RedisStore:
         # The one key every script call names: a cluster routes the call to its slot, which is the slot of
         # every key the script touches (they share the model's hash tag).
         self._key = [self.prefix + "gen"]
+        # MGET pieces: a block's holders key is prefix + "b:" + its 8-byte key (see redis_scripts).
+        self._block_prefix = self.prefix.encode() + b"b:"
+        gen_name = self._key[0].encode()
+        self._gen_record = b"$%d\r\n%s\r\n" % (len(gen_name), gen_name)
+        self._block_record = b"$%d\r\n%s%s\r\n" % (len(self._block_prefix) + 8, self._block_prefix, bytes(8))
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
         self.clear_chunk_keys = clear_chunk_keys
@@ -110,7 +118,6 @@ class RedisStore:
         self.shard_low_water = self.shard_capacity - self.shard_capacity // 64
         self._apply_script = client.register_script(redis_scripts.APPLY)
         self._clear_script = client.register_script(redis_scripts.CLEAR_CHUNK)
-        self._lookup_script = client.register_script(redis_scripts.LOOKUP)
         self._tick_script = client.register_script(redis_scripts.LEASE_TICK)
         self._release_script = client.register_script(redis_scripts.LEASE_RELEASE)
         self._lock = threading.Lock()
@@ -351,18 +358,15 @@ class RedisStore:
     # -- read path -------------------------------------------------------------------------------------
 
     def lookup_ids(self, block_keys: Sequence[int], pods: Collection[str] | None = None) -> list[HolderIds]:
-        """Entry ids holding each leading block (one script call), stopping at the first block no
-        (selected) pod holds. Within one key, ids are least recently stored first."""
+        """Entry ids holding each leading block (one MGET of the generation and every block's holders),
+        stopping at the first block no (selected) pod holds. Within one key, ids are least recently
+        stored first."""
         if pods is not None and not pods:
             return []
         if not block_keys:
             return []
-        out = self._call(
-            self._lookup_script,
-            keys=self._key,
-            args=[self.prefix, self._gen, self.num_shards, key_bytes(block_keys)],
-        )
-        gen = out[0].decode()
+        out = self._call(self._mget_holders, key_bytes(block_keys))
+        gen = out[0].decode() if out[0] is not None else ""
         if gen != self._gen:
             self.generation()  # a restarted store: ids are new
         parsed = self._parsed
@@ -370,13 +374,20 @@ class RedisStore:
             parsed.clear()
         result: list[HolderIds] = []
         distinct: set[HolderIds] = set()
-        for pos in range(1, len(out), 2):
-            raw = out[pos]
-            ids = parsed.get(raw)
-            if ids is None:
-                ids = parsed[raw] = _parse_holders(raw)
-            distinct.add(ids)
-            result += [ids] * out[pos + 1]
+        last: bytes | None = None
+        ids: HolderIds = ()
+        # A shared prefix answers the same holders block after block: parse once per run.
+        for raw in itertools.islice(out, 1, None):
+            if raw is None:
+                break
+            if raw != last:
+                found = parsed.get(raw)
+                if found is None:
+                    found = parsed[raw] = _parse_holders(raw)
+                ids = found
+                distinct.add(ids)
+                last = raw
+            result.append(ids)
         self._resolve({i for ids in distinct for i in ids})
         if pods is None:
             return result
@@ -389,6 +400,40 @@ class RedisStore:
                 break
             filtered.append(kept)
         return filtered
+
+    def _mget_holders(self, packed_keys: bytes) -> list[bytes | None]:
+        """[generation, holders of each key...] in one MGET. On a single server the command is packed here
+        (redis-py packs each of 513 arguments in Python: more than the lookup itself costs)."""
+        client = self.client
+        names = len(packed_keys) // 8
+        if isinstance(client, LazyCluster):
+            block = self._block_prefix
+            return cast(
+                list[bytes | None],
+                client.execute_command(
+                    "MGET",
+                    self._key[0],
+                    *(block + packed_keys[i : i + 8] for i in range(0, len(packed_keys), 8)),
+                ),
+            )
+        record = self._block_record
+        buf = bytearray(record * names)
+        step = len(record)
+        offset = step - 10  # the key's place in each record: before its trailing CRLF
+        for j in range(8):  # each byte of every key, by strided copies (no per-key Python work)
+            buf[offset + j :: step] = packed_keys[j::8]
+        command = b"*%d\r\n$4\r\nMGET\r\n%s" % (names + 2, self._gen_record) + buf  # MGET, gen, keys
+        pool = client.connection_pool
+        connection: Any = pool.get_connection()  # redis-py leaves these methods untyped
+        try:
+            connection.send_packed_command([command])
+            reply = connection.read_response()
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        return cast(list[bytes | None], reply)
 
     def _resolve(self, ids: Iterable[int]) -> None:
         missing = [i for i in ids if i not in self._entries]
@@ -463,23 +508,23 @@ class RedisStore:
     # -- whole-index views, for tests and debugging (O(index)) -------------------------------------------
 
     def _shards(self) -> dict[int, tuple[dict[bytes, bytes], dict[bytes, float]]]:
-        """Every non-empty shard: its holders hash and its LRU (with clocks)."""
+        """Every non-empty shard: the holders of its LRU's keys (a key without holders left out) and its
+        LRU (with clocks)."""
         shards: dict[int, tuple[dict[bytes, bytes], dict[bytes, float]]] = {}
-        numbers: set[int] = set()
         start = len(self.prefix.encode()) + 2
-        for pattern in ("h:*", "l:*"):
-            for name in self._call(self._scan, self.prefix + pattern):
-                numbers.add(int.from_bytes(name[start:], "big"))
+        numbers = {
+            int.from_bytes(name[start:], "big") for name in self._call(self._scan, self.prefix + "l:*")
+        }
         for shard_no in sorted(numbers):
-            holders, lru = self._call(self._read_shard, shard_no)
-            shards[shard_no] = (holders, dict(lru))
+            lru = dict(self._call(self.client.zrange, self.shard_key("l", shard_no), 0, -1, withscores=True))
+            values = self._call(self._mget_holders, b"".join(lru)) if lru else [None]
+            holders = {key: raw for key, raw in zip(lru, values[1:], strict=True) if raw is not None}
+            shards[shard_no] = (holders, lru)
         return shards
 
-    def _read_shard(self, shard_no: int) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.shard_key("h", shard_no))
-        pipe.zrange(self.shard_key("l", shard_no), 0, -1, withscores=True)
-        return pipe.execute()
+    def _holder_keys(self) -> int:
+        """How many block holder keys the store has (whatever their LRU says)."""
+        return len(self._call(self._scan, self.prefix + "b:*"))
 
     def _scan(self, pattern: str) -> list[bytes]:
         return list(self.client.scan_iter(match=pattern, count=1000))
@@ -507,7 +552,7 @@ class RedisStore:
             if len(holders) > self.shard_capacity:
                 problems.append(f"shard {shard_no}: {len(holders)} keys > {self.shard_capacity}")
             if set(holders) != set(lru):
-                problems.append(f"shard {shard_no}: LRU members differ from its keys")
+                problems.append(f"shard {shard_no}: LRU members without holders")
             for raw_key, raw in holders.items():
                 num_keys += 1
                 key = _key_of(raw_key)
@@ -526,6 +571,8 @@ class RedisStore:
             problems.append(f"live counts {counted} != held pairs {live}")
         if self.num_keys() != num_keys:
             problems.append(f"key count {self.num_keys()} != {num_keys} keys held")
+        if self._holder_keys() != num_keys:
+            problems.append(f"{self._holder_keys()} holder keys != {num_keys} keys in the LRUs")
         for entry_id, keys in held_by.items():
             log = self._call(self.client.get, f"{self.prefix}log:{entry_id}") or b""
             logged = {log[i : i + 8] for i in range(0, len(log), 8)}
