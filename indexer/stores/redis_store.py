@@ -1,8 +1,8 @@
 """The Redis/Valkey store: the block index kept in a shared server, so several kvindex replicas read and
 write one index. An IO shell implementing the store interface (indexer/store.py), with the in-memory
-KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch, one
-per score, one per lease tick; a clear of a pod runs in calls of at most `clear_chunk_keys` keys, so a big
-pod's takeover or restart never holds the server for long). On a Redis Cluster (connect()), each script
+KVIndex's semantics; the server-side logic is the Lua in redis_scripts.py (one script call per batch and
+one per lease tick; a clear of a pod runs in calls of at most `clear_chunk_keys` keys, so a big pod's
+takeover or restart never holds the server for long). A score is one MGET, no script. On a Redis Cluster (connect()), each script
 call names one key of its model, so the cluster runs it on the node of the model's slot, where all of that
 model's keys live.
 
