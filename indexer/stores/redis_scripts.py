@@ -88,6 +88,24 @@ local function without(ids, id)
     end
   end
 end
+-- Drop entry `id` from block `k` whatever its copies (a clear); a key left with no holder goes, LRU
+-- included. Returns (it held the key, the key went).
+local function release_key(k, id)
+  local h = P .. 'b:' .. k
+  local v = redis.call('GET', h)
+  if not v then return false, false end
+  local ids, cps = parse(v)
+  if not cps[id] then return false, false end
+  without(ids, id)
+  cps[id] = nil
+  if #ids == 0 then
+    redis.call('DEL', h)
+    redis.call('ZREM', P .. 'l:' .. shard_of(k), k)
+    return true, true
+  end
+  redis.call('SET', h, encode(ids, cps))
+  return true, false
+end
 """
 
 # ARGV: P, gen, nshards, capacity, low_water, max_pods_per_key, max_copies, lease key ('' = unfenced),
@@ -236,19 +254,9 @@ local function clear_entry(id)
   local cleared = 0
   if log then
     for i = 1, #log, 8 do
-      local k = string.sub(log, i, i + 7)
-      local s = shard_of(k)
-      local h = P .. 'b:' .. k
-      local v = redis.call('GET', h)
-      if v then
-        local ids, cps = parse(v)
-        if cps[id] then
-          without(ids, id)
-          cps[id] = nil
-          cleared = cleared + 1
-          if #ids == 0 then drop_key(h, s, k) else redis.call('SET', h, encode(ids, cps)) end
-        end
-      end
+      local held, gone = release_key(string.sub(log, i, i + 7), id)
+      if held then cleared = cleared + 1 end
+      if gone then nkeys = nkeys - 1 end
     end
   end
   redis.call('DEL', P .. 'log:' .. id)
@@ -336,25 +344,9 @@ for _, id in ipairs(redis.call('SMEMBERS', P .. 'pod:' .. ARGV[10])) do
     local mine = 0
     local log = redis.call('GETRANGE', logkey, (n - take) * 8, -1)
     for i = 1, #log, 8 do
-      local k = string.sub(log, i, i + 7)
-      local s = shard_of(k)
-      local h = P .. 'b:' .. k
-      local v = redis.call('GET', h)
-      if v then
-        local ids, cps = parse(v)
-        if cps[id] then
-          without(ids, id)
-          cps[id] = nil
-          mine = mine + 1
-          if #ids == 0 then
-            redis.call('DEL', h)
-            redis.call('ZREM', P .. 'l:' .. s, k)
-            dropped = dropped + 1
-          else
-            redis.call('SET', h, encode(ids, cps))
-          end
-        end
-      end
+      local held, gone = release_key(string.sub(log, i, i + 7), id)
+      if held then mine = mine + 1 end
+      if gone then dropped = dropped + 1 end
     end
     budget = budget - take
     cleared = cleared + mine
