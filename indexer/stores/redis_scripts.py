@@ -108,14 +108,20 @@ local function release_key(k, id)
 end
 """
 
+# A write script's first step (ARGV as APPLY's): nothing is written to a store that restarted empty since
+# the caller last read its generation, or under a lease the caller no longer holds.
+_WRITE_GUARD: Final = r"""
+if redis.call('GET', P .. 'gen') ~= ARGV[2] then return redis.error_reply('GEN') end
+if ARGV[8] ~= '' and redis.call('GET', ARGV[8]) ~= ARGV[9] then return redis.error_reply('LEASE') end
+"""
+
 # ARGV: P, gen, nshards, capacity, low_water, max_pods_per_key, max_copies, lease key ('' = unfenced),
 # lease value, pod key (json), pod id, then the steps: 'S' entry-name keys | 'R' entry-name keys |
 # 'P' parent-key | 'C'. Returns the nine ApplyStats counts, or an error reply GEN / LEASE (nothing written).
 APPLY: Final = (
     _COMMON
+    + _WRITE_GUARD
     + r"""
-if redis.call('GET', P .. 'gen') ~= ARGV[2] then return redis.error_reply('GEN') end
-if ARGV[8] ~= '' and redis.call('GET', ARGV[8]) ~= ARGV[9] then return redis.error_reply('LEASE') end
 local cap = tonumber(ARGV[4])
 local low = tonumber(ARGV[5])
 local maxpods = tonumber(ARGV[6])
@@ -331,9 +337,8 @@ return c
 # stalls every other client. Returns {pairs cleared, log keys left} (left 0: the pod holds nothing more).
 CLEAR_CHUNK: Final = (
     _COMMON
+    + _WRITE_GUARD
     + r"""
-if redis.call('GET', P .. 'gen') ~= ARGV[2] then return redis.error_reply('GEN') end
-if ARGV[8] ~= '' and redis.call('GET', ARGV[8]) ~= ARGV[9] then return redis.error_reply('LEASE') end
 local budget = tonumber(ARGV[12])
 local cleared, dropped, left = 0, 0, 0
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'pod:' .. ARGV[10])) do
