@@ -1,4 +1,5 @@
-"""The compiled hash core for tests that need it: skipped without it locally, a failure under CI=true."""
+"""The compiled hash core for tests that need it (skipped without it locally, a failure under CI=true), and
+the token ids at every serialisation width boundary the hashing tests share."""
 
 from __future__ import annotations
 
@@ -18,3 +19,31 @@ def require_extension() -> ChainCore:
             pytest.fail(message + "; CI must test the compiled core too")
         pytest.skip(message)
     return core
+
+
+# Every width boundary of pickle's BININT1/BININT2/BININT/LONG1 and of CBOR's heads, both sides, below
+# 2**64 (what the compiled encoder covers; tests of the pure path add ids past it).
+EDGE_IDS = [
+    0,
+    1,
+    23,
+    24,
+    255,
+    256,
+    65535,
+    65536,
+    2**18 - 1,
+    2**18,
+    2**30 - 1,
+    2**30,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**40,
+    2**56 - 1,
+    2**56,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]

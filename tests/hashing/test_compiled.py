@@ -14,34 +14,11 @@ from array import array
 import cbor2
 import pytest
 import xxhash
-from hash_cores import require_extension
+from hash_cores import EDGE_IDS, require_extension
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvindex.hashing import HASH_ALGOS, BlockHasher, compiled
 
-# Every width boundary of pickle's BININT1/BININT2/BININT/LONG1 and of CBOR's heads, both sides.
-EDGE_IDS = [
-    0,
-    1,
-    23,
-    24,
-    255,
-    256,
-    65535,
-    65536,
-    2**30 - 1,
-    2**30,
-    2**31 - 1,
-    2**31,
-    2**32 - 1,
-    2**32,
-    2**40,
-    2**56 - 1,
-    2**56,
-    2**63 - 1,
-    2**63,
-    2**64 - 1,
-]
 # ids the C encoder covers: every exact int in [0, 2**64)
 token_ids = st.one_of(st.sampled_from(EDGE_IDS), st.integers(0, 2**18), st.integers(0, 2**64 - 1))
 parents = st.binary(min_size=0, max_size=255)

@@ -15,6 +15,7 @@ from typing import Any
 import cbor2
 import pytest
 import xxhash
+from hash_cores import EDGE_IDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError, MMItem, event_hash
@@ -23,23 +24,7 @@ from kvindex.hashing.cbor_fast import array_head, encode_tokens
 # Every test here runs with both hash cores: compiled and pure Python (tests/hashing/conftest.py).
 pytestmark = pytest.mark.usefixtures("hash_core")
 
-EDGE_INTS = [
-    0,
-    1,
-    23,
-    24,
-    255,
-    256,
-    65535,
-    65536,
-    2**18 - 1,
-    2**18,
-    2**32 - 1,
-    2**32,
-    2**64 - 1,
-    2**64,
-    2**70,
-]
+EDGE_INTS = [*EDGE_IDS, 2**64, 2**70]  # and ids past 2**64, which only the pure path serialises
 token_id = st.one_of(st.sampled_from(EDGE_INTS), st.integers(0, 2**18), st.integers(0, 2**80))
 token_lists = st.lists(token_id, max_size=120)
 algos = st.sampled_from(HASH_ALGOS)
