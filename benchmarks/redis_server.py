@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Self
 
 REDIS_SERVER = "redis-server"
 CLUSTER_SLOTS = 16384
@@ -43,7 +44,26 @@ def _free_cluster_port() -> int:
         return port
 
 
-class RedisServer:
+class _Started:
+    """`with` starts it and closes it (its `start` and `close`)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class RedisServer(_Started):
     """One redis-server process; `stop`, `start` (on the same port, empty) and `kill` for fault tests."""
 
     def __init__(self, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
@@ -109,17 +129,8 @@ class RedisServer:
         self.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class RedisClusterServers:
+class RedisClusterServers(_Started):
     """A real Redis Cluster of `size` masters on free 127.0.0.1 ports, no replicas: each node owns one
     contiguous range of the 16384 slots. Formed with CLUSTER ADDSLOTSRANGE and CLUSTER MEET (no redis-cli
     needed); `start` returns once every node reports `cluster_state:ok`."""
@@ -198,15 +209,6 @@ class RedisClusterServers:
         for server in self.servers:
             server.close()
         self._dir.cleanup()
-
-    def __enter__(self) -> RedisClusterServers:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _read_reply(sock: socket.socket) -> bytes:
