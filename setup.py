@@ -1,7 +1,8 @@
-"""The optional compiled hash core (kvindex.hashing._chain); everything else is in pyproject.toml.
+"""The optional compiled cores (kvindex.hashing._chain, kvindex.indexer._shard); the rest is in pyproject.toml.
 
-The extension is built when a C compiler and OpenSSL's headers (Debian: libssl-dev) are present. Without
-them the install still succeeds, with a one-line warning, and kvindex runs its pure-Python hash path.
+The hash core is built when a C compiler and OpenSSL's headers (Debian: libssl-dev) are present, the index
+core when a C compiler is. Without them the install still succeeds, with a one-line warning per core, and
+kvindex runs the pure-Python reference in its place.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError
 _BUILD_ERRORS = (CCompilerError, CompileError, ExecError, LinkError, PlatformError, OSError)
 
 
-def _warn(exc: Exception) -> None:
+def _warn(exc: Exception, what: str = "compiled cores were") -> None:
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     print(
-        f"WARNING: kvindex's compiled hash core was not built ({message}); the pure-Python path will run",
+        f"WARNING: kvindex's {what} not built ({message}); the pure-Python path will run",
         file=sys.stderr,
     )
 
@@ -36,7 +37,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except _BUILD_ERRORS as exc:
-            _warn(exc)
+            _warn(exc, f"compiled core {ext.name} was")
 
 
 setup(
@@ -46,7 +47,8 @@ setup(
             sources=["hashing/_chain.c"],
             libraries=["crypto"],
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension("kvindex.indexer._shard", sources=["indexer/_shard.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kvindex.indexer import compiled
 from kvindex.indexer.events import BlocksStored, PodRef
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.scorer import score_prefix
@@ -33,7 +35,13 @@ from benchmarks._table import format_table
 Batch = tuple[PodRef, list[BlocksStored]]
 EVENT_BLOCKS = 16
 BATCH_EVENTS = 8
-INDEXES = ("dict-of-sets (baseline)", "KVIndex 1 shard", "KVIndex 4 shards")
+INDEXES = (
+    "dict-of-sets (baseline)",
+    "KVIndex 1 shard",
+    "KVIndex 4 shards",
+    "KVIndex 1 shard, pure",
+    "KVIndex 4 shards, pure",
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class DictOfSetsIndex:
 def make_index(name: str) -> KVIndex | DictOfSetsIndex:
     if name == INDEXES[0]:
         return DictOfSetsIndex()
+    # ", pure" rows run in a process started with KVINDEX_PURE_PYTHON=1 (see main): shard.py's core.
     return KVIndex(num_shards=int(name.split()[1]))
 
 
@@ -190,7 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, "-m", "benchmarks.index", "--worker", name] + (
             ["--quick"] if args.quick else []
         )
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        env = {k: v for k, v in os.environ.items() if k != "KVINDEX_PURE_PYTHON"}
+        if name.endswith(", pure"):
+            env["KVINDEX_PURE_PYTHON"] = "1"
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             print(f"{name} failed:\n{done.stderr}", file=sys.stderr)
             return 1
@@ -206,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, r in results.items()
     ]
     print(format_table(["index", "apply blocks/s", "pairs", "RSS B/pair"], rows))
+    print(f"(KVIndex rows run the {compiled.describe()[len('block index: ') :]}; ', pure' rows shard.py's)")
     print("(RSS growth per (pod, block) pair, each index in a fresh process, block keys owned by the index)")
     print()
     read_rows = [

@@ -249,7 +249,8 @@ def run(quick: bool, ttl_s: float = 10.0) -> dict[str, Any]:
                 f"{r['score_p99_ms']:.2f}",
                 f"{r['score_p99_ms'] / memory['score_p99_ms']:.2f}x",
                 f"{r['bytes_per_pair']:.0f}",
-                f"{r['bytes_per_pair'] / memory['bytes_per_pair']:.2f}x",
+                # (a --quick run's memory index may fit in pages the process already had: 0 B)
+                f"{r['bytes_per_pair'] / memory['bytes_per_pair']:.2f}x" if memory["bytes_per_pair"] else "-",
             ]
         )
     print(

@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
+from kvindex.indexer import compiled
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
 from kvindex.indexer.shard import (
     CHECK_PARENT,
@@ -23,7 +24,7 @@ from kvindex.indexer.shard import (
     STORE,
     HolderIds,
     KeyGroup,
-    Shard,
+    ShardCore,
     Step,
 )
 
@@ -80,7 +81,8 @@ class KVIndex:
     MAX_COPIES. A batch (`apply`) takes each shard's lock once and applies that shard's part of the batch
     in event order, so a reader sees each key either before or after the whole batch, never in between.
 
-    Memory: ~100 B per (pod, block) pair at 1M pairs, block keys included (benchmarks/index.py).
+    Memory per (pod, block) pair at 1M pairs, block keys included (benchmarks/index.py): ~37 B on the
+    compiled shard core, ~100 B on shard.py's.
     """
 
     blocking_io = False  # in this process: readers call it directly
@@ -96,7 +98,11 @@ class KVIndex:
         self.num_shards = num_shards
         self.max_pods_per_key = max_pods_per_key
         self.shard_capacity = max(1, max_keys // num_shards)
-        self._shards = [Shard(self.shard_capacity, max_pods_per_key) for _ in range(num_shards)]
+        # The compiled shard (indexer/_shard.c) when it was built, else shard.py's: same behaviour.
+        shard_type = compiled.shard_type
+        self._shards: list[ShardCore] = [
+            shard_type(self.shard_capacity, max_pods_per_key) for _ in range(num_shards)
+        ]
         # One lock per shard (same position), held around every read or write of that shard.
         self._locks = [threading.Lock() for _ in range(num_shards)]
         self.shard_low_water = self._shards[0].low_water
@@ -277,46 +283,21 @@ class KVIndex:
                 return []
         single_ids = self._single_ids
         result: list[HolderIds] = []
-        append = result.append
         shards = self._shards
         locks = self._locks
         for lock in locks:
             lock.acquire()
-        # NOTE: the loops narrow a dict holder (for mypy) only to freeze it, once per key and write, not
-        # on every read with `elif type(held) is dict`: one more check per key is measurable on a long
-        # prompt.
         try:
             if len(shards) == 1:
-                shard = shards[0]
-                get = shard.holders.get
-                frozen_get = shard.frozen.get
-                for key in block_keys:
-                    held = get(key)
-                    if held is None:
-                        break
-                    if type(held) is int:
-                        append(single_ids[held])
-                    else:
-                        ids = frozen_get(key)
-                        if ids is None:
-                            assert type(held) is dict  # not an int: a dict holder
-                            ids = shard.freeze(key, held)
-                        append(ids)
+                shards[0].lookup_run(block_keys, single_ids, result)
             else:
                 num_shards = len(shards)
+                append = result.append
                 for key in block_keys:
-                    shard = shards[key % num_shards]
-                    held = shard.holders.get(key)
-                    if held is None:
+                    ids = shards[key % num_shards].ids_of(key, single_ids)
+                    if ids is None:
                         break
-                    if type(held) is int:
-                        append(single_ids[held])
-                    else:
-                        ids = shard.frozen.get(key)
-                        if ids is None:
-                            assert type(held) is dict  # not an int: a dict holder
-                            ids = shard.freeze(key, held)
-                        append(ids)
+                    append(ids)
         finally:
             for lock in reversed(locks):
                 lock.release()
@@ -349,11 +330,11 @@ class KVIndex:
     # -- stats (O(entries of the index's pods x shards), not O(blocks)) ------------------------------
 
     def num_keys(self) -> int:
-        return sum(len(shard.holders) for shard in self._shards)
+        return sum(shard.num_keys() for shard in self._shards)
 
     def num_entries(self) -> int:
         """(block, pod entry) pairs held, counting a block once per pod and tier (not per copy)."""
-        return sum(sum(list(shard.entry_live.values())) for shard in self._shards)
+        return sum(shard.live_total() for shard in self._shards)
 
     def pod_block_count(self, pod: PodRef, tier: str | None = None) -> int:
         """Blocks one pod holds, counted once per tier (or on `tier` only), not per copy."""
@@ -362,7 +343,7 @@ class KVIndex:
             if tier is not None and self._entries[entry_id][1] != tier:
                 continue
             for shard in self._shards:
-                total += shard.entry_live.get(entry_id, 0)
+                total += shard.live_of(entry_id)
         return total
 
     def has_pod_id(self, pod_id: str) -> bool:

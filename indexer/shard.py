@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 # The lookup answer for one key: the entry ids holding it (resolve with KVIndex.entry).
 HolderIds = tuple[int, ...]
@@ -76,6 +76,42 @@ Step = Store | Remove | CheckParent | Clear
 NUM_COUNTS = 9
 
 
+class ShardCore(Protocol):
+    """What KVIndex asks of a shard: the pure `Shard` below (the reference) or the compiled
+    kvindex.indexer._shard.Shard (indexer/_shard.c), chosen by indexer/compiled.py."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def low_water(self) -> int: ...
+
+    @property
+    def max_pods_per_key(self) -> int: ...
+
+    def apply_steps(
+        self, steps: Sequence[Step], pod_entry_ids: frozenset[int], counts: list[int], /
+    ) -> None: ...
+
+    def clear_entries(self, entry_ids: Iterable[int], /) -> int: ...
+
+    def lookup_run(
+        self, block_keys: Sequence[int], single_ids: list[HolderIds], out: list[HolderIds], /
+    ) -> None: ...
+
+    def ids_of(self, block_key: int, single_ids: list[HolderIds], /) -> HolderIds | None: ...
+
+    def num_keys(self) -> int: ...
+
+    def live_of(self, entry_id: int, /) -> int: ...
+
+    def live_total(self) -> int: ...
+
+    def copies_by_key(self) -> Iterable[tuple[int, dict[int, int]]]: ...
+
+    def problems(self, shard_no: int, num_shards: int, /) -> list[str]: ...
+
+
 class Shard:
     """One shard of the index: the key LRU and, per entry, a log of the keys it stored here."""
 
@@ -114,7 +150,60 @@ class Shard:
 
     # All methods below run with this shard's lock (KVIndex._locks) held.
 
-    def apply_steps(self, steps: Iterable[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
+    # -- the read path and counts (what KVIndex asks of either core: see ShardCore) -------------------
+
+    def lookup_run(
+        self, block_keys: Sequence[int], single_ids: list[HolderIds], out: list[HolderIds]
+    ) -> None:
+        """Append the ids holding each leading key to `out`, stopping at the first key nobody holds.
+
+        `single_ids[e]` is the shared answer `(e,)` for a key one entry holds.
+        """
+        # NOTE: this loop narrows a dict holder (for mypy) only to freeze it, once per key and write, not
+        # on every read with `elif type(held) is dict`: one more check per key is measurable on a long
+        # prompt.
+        get = self.holders.get
+        frozen_get = self.frozen.get
+        append = out.append
+        for key in block_keys:
+            held = get(key)
+            if held is None:
+                break
+            if type(held) is int:
+                append(single_ids[held])
+            else:
+                ids = frozen_get(key)
+                if ids is None:
+                    assert type(held) is dict  # not an int: a dict holder
+                    ids = self.freeze(key, held)
+                append(ids)
+
+    def ids_of(self, block_key: int, single_ids: list[HolderIds]) -> HolderIds | None:
+        """The ids holding one key, None when nobody does."""
+        held = self.holders.get(block_key)
+        if held is None:
+            return None
+        if type(held) is int:
+            return single_ids[held]
+        ids = self.frozen.get(block_key)
+        if ids is None:
+            assert type(held) is dict  # not an int: a dict holder
+            ids = self.freeze(block_key, held)
+        return ids
+
+    def num_keys(self) -> int:
+        return len(self.holders)
+
+    def live_of(self, entry_id: int) -> int:
+        """Pairs one entry holds in this shard."""
+        return self.entry_live.get(entry_id, 0)
+
+    def live_total(self) -> int:
+        return sum(list(self.entry_live.values()))
+
+    # -- the write path --------------------------------------------------------------------------------
+
+    def apply_steps(self, steps: Sequence[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
         for step in steps:
             if step[0] == STORE:
                 self.store(step[1], step[2], counts)

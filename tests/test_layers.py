@@ -48,6 +48,9 @@ PURE = (
     "indexer/convert.py",
     "indexer/index.py",
     "indexer/shard.py",
+    "indexer/compiled.py",
+    # (and what a C extension of the package resolves to: kvindex.indexer._shard, from indexer/_shard.c)
+    "indexer/__init__.py",
     "indexer/store.py",
     "indexer/scorer.py",
     "indexer/hash_check.py",

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 from kvindex.hashing import BlockHasher, compiled
+from kvindex.indexer import compiled as index_core
 from kvindex.replay.publisher import EventPublisher
 from kvindex.replay.wire import BlockStored
 from waiting import wait_for
@@ -79,6 +80,7 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     # The start-up lines an operator checks the settings with.
     assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
     assert stderr.count("block hashing: ") == 1 and compiled.describe() in stderr  # which hash core runs
+    assert stderr.count("block index: ") == 1 and index_core.describe() in stderr  # which index core runs
     assert (
         f"pod pod-a dp rank 0 (model m, from --pod): events {engine.endpoint}, replay {engine.replay_endpoint}"
         in stderr

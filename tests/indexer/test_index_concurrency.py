@@ -17,7 +17,8 @@ from kvindex.indexer.events import TIER_CPU, TIER_GPU, AllBlocksCleared, BlocksR
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.scorer import score_prefix
 
-pytestmark = pytest.mark.timeout(60)
+# Every KVIndex here is built once on each shard core (tests/indexer/conftest.py).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("index_core")]
 
 NUM_WRITERS = 4
 NUM_READERS = 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import pytest
+from index_cores import using_core
 from kvindex.indexer.events import (
     TIER_CPU,
     TIER_GPU,
@@ -37,14 +38,16 @@ CONFIGS = {
 }
 
 
-STORES = ("memory", "redis", "redis-cluster")
+# "memory" is KVIndex on the compiled shard core, "memory-pure" on shard.py's reference.
+STORES = ("memory", "memory-pure", "redis", "redis-cluster")
 
 
 @pytest.fixture(params=[(store, config) for store in STORES for config in sorted(CONFIGS)], ids="-".join)
 def index(request: pytest.FixtureRequest) -> Iterator[Store]:
     store, config = request.param
-    if store == "memory":
-        yield KVIndex(**CONFIGS[config])
+    if store in ("memory", "memory-pure"):
+        with using_core("compiled" if store == "memory" else "pure"):
+            yield KVIndex(**CONFIGS[config])
         return
     from kvindex.indexer.stores.redis_store import RedisStore, connect
 

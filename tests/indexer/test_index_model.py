@@ -16,6 +16,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from index_cores import CORES, make_index
 from kvindex.indexer.events import (
     TIER_CPU,
     TIER_GPU,
@@ -90,6 +91,15 @@ def memory_store(num_shards: int, max_keys: int, max_pods_per_key: int) -> Store
     return KVIndex(num_shards=num_shards, max_keys=max_keys, max_pods_per_key=max_pods_per_key)
 
 
+def memory_store_on(core: str) -> StoreFactory:
+    """KVIndexes on one shard core (compiled or pure)."""
+
+    def make(num_shards: int, max_keys: int, max_pods_per_key: int) -> Store:
+        return make_index(core, num_shards, max_keys, max_pods_per_key)
+
+    return make
+
+
 class UnboundedIndexMatchesModel(RuleBasedStateMachine):
     def __init__(self, make_store: StoreFactory = memory_store) -> None:
         super().__init__()
@@ -162,12 +172,21 @@ class BoundedIndexStaysWithinModelAndCaps(RuleBasedStateMachine):
             assert self.index.pod_block_count(pod) == held
 
 
-TestUnboundedIndexMatchesModel = UnboundedIndexMatchesModel.TestCase
-TestUnboundedIndexMatchesModel.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
-TestBoundedIndexStaysWithinModelAndCaps = BoundedIndexStaysWithinModelAndCaps.TestCase
-TestBoundedIndexStaysWithinModelAndCaps.settings = settings(
-    max_examples=150, stateful_step_count=30, deadline=None
-)
+MEMORY_SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_unbounded_index_matches_model(core: str) -> None:
+    run_state_machine_as_test(
+        lambda: UnboundedIndexMatchesModel(memory_store_on(core)), settings=MEMORY_SETTINGS
+    )
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_bounded_index_stays_within_model_and_caps(core: str) -> None:
+    run_state_machine_as_test(
+        lambda: BoundedIndexStaysWithinModelAndCaps(memory_store_on(core)), settings=MEMORY_SETTINGS
+    )
 
 
 # The same machines over the Redis store, with the same settings.

@@ -11,7 +11,8 @@ from kvindex.indexer.events import TIER_CPU, TIER_GPU, BlocksStored, PodRef
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.scorer import PodScore, score_prefix
 
-pytestmark = pytest.mark.timeout(60)
+# Every KVIndex here is built once on each shard core (tests/indexer/conftest.py).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("index_core")]
 
 TIERS = (TIER_GPU, TIER_CPU, "STORAGE")
 # Powers of two: sums are exact, so scores compare with == and ties are real ties.

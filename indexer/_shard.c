@@ -1,0 +1,1364 @@
+/* kvindex.indexer._shard: the compiled core of one index shard (the same mechanism as indexer/shard.py).
+ *
+ * indexer/shard.py's Shard is the reference: this type answers every call with the same result and leaves
+ * the same state (tests/indexer/test_shard_cores.py runs both on the same random operations; the
+ * conformance suite and the model-based state machine run KVIndex on each). What differs is the layout:
+ *
+ *   - keys: an open-addressing table (linear probing, backward-shift deletion) of 32-bit node numbers;
+ *   - nodes: 24 bytes each, the 64-bit block key, the key-LRU links (least recently stored first) and
+ *     the holders, which are one tagged word: (entry id << 1) | 1 while one entry holds the key with one
+ *     copy (most keys), else a pointer to a small array of (entry id, copies) in holder-LRU order;
+ *   - per entry: the count of pairs it holds here and a log of the keys it stored (a reverse map that
+ *     removals and evictions leave stale; compacted once twice the live count, as in shard.py).
+ *
+ * About 40 bytes per (pod, block) pair for single-holder keys, against ~100 for the dicts of shard.py.
+ * Every method runs with the GIL held and the facade's shard lock taken (indexer/index.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NIL UINT32_MAX
+/* shard.py's MAX_COPIES: a pair's copies are counted up to this. */
+#define MAX_COPIES 256
+/* The step kinds and counter indices of indexer/shard.py (STORE .. CLEAR, _STORED .. _RELEASED). */
+enum { STEP_STORE = 0, STEP_REMOVE = 1, STEP_CHECK_PARENT = 2, STEP_CLEAR = 3 };
+enum {
+    C_STORED,
+    C_REFRESHED,
+    C_REMOVED,
+    C_MISSING,
+    C_CLEARED,
+    C_UNKNOWN_PARENT,
+    C_EVICTED_KEYS,
+    C_EVICTED_ENTRIES,
+    C_RELEASED,
+    NUM_COUNTS
+};
+
+typedef struct {
+    uint32_t entry;
+    uint32_t copies;
+} Item;
+
+/* The holders of a key held by >= 2 entries, or by one entry with >= 2 copies; oldest first. */
+typedef struct {
+    uint32_t len;
+    uint32_t cap;
+    PyObject *ids; /* the lookup answer (a tuple of the entry ids), made on first read, dropped on write */
+    Item items[];
+} Multi;
+
+typedef struct {
+    uint64_t key;
+    uint32_t prev; /* key LRU: towards the least recently stored */
+    uint32_t next; /* key LRU: towards the most recently stored; the free list's link for free nodes */
+    uintptr_t holder;
+} Node;
+
+typedef struct {
+    uint64_t *keys; /* NULL: no log (shard.py: no entry_keys item) */
+    uint32_t len;
+    uint32_t cap;
+} Log;
+
+typedef struct {
+    PyObject_HEAD
+    /* key table: slots hold node number + 1 (0 = empty) */
+    uint32_t *slots;
+    uint64_t mask;
+    int shift;
+    /* nodes */
+    Node *nodes;
+    uint32_t nodes_len; /* nodes ever handed out (free ones included) */
+    uint32_t nodes_cap;
+    uint32_t free_head;
+    uint32_t head; /* least recently stored key */
+    uint32_t tail;
+    uint32_t count; /* keys held */
+    /* per entry id */
+    int64_t *live;
+    Log *logs;
+    uint32_t entries_cap;
+    /* caps */
+    Py_ssize_t capacity;
+    Py_ssize_t low_water;
+    Py_ssize_t max_pods_per_key;
+} ShardObject;
+
+#define IS_SINGLE(holder) ((holder) & 1u)
+#define SINGLE(entry) ((((uintptr_t)(entry)) << 1) | 1u)
+#define SINGLE_ENTRY(holder) ((uint32_t)((holder) >> 1))
+#define MULTI(holder) ((Multi *)(holder))
+
+/* ---- key table ---- */
+
+static inline uint64_t
+home_of(const ShardObject *self, uint64_t key)
+{
+    /* Fibonacci hashing: block keys are hashes already, but tests and sims use small sequential ints. */
+    return (key * 0x9E3779B97F4A7C15ULL) >> self->shift;
+}
+
+/* The slot holding `key`, or the empty slot where it would go; sets *node to its node or NIL. */
+static inline uint64_t
+find_slot(const ShardObject *self, uint64_t key, uint32_t *node)
+{
+    uint64_t i = home_of(self, key);
+    for (;;) {
+        uint32_t slot = self->slots[i];
+        if (slot == 0) {
+            *node = NIL;
+            return i;
+        }
+        if (self->nodes[slot - 1].key == key) {
+            *node = slot - 1;
+            return i;
+        }
+        i = (i + 1) & self->mask;
+    }
+}
+
+static inline uint32_t
+find_node(const ShardObject *self, uint64_t key)
+{
+    uint32_t node;
+    find_slot(self, key, &node);
+    return node;
+}
+
+static int
+table_resize(ShardObject *self, int bits)
+{
+    uint64_t size = (uint64_t)1 << bits;
+    uint32_t *slots = calloc(size, sizeof(uint32_t));
+    uint32_t *old = self->slots;
+    uint64_t old_size = old ? self->mask + 1 : 0;
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->slots = slots;
+    self->mask = size - 1;
+    self->shift = 64 - bits;
+    for (uint64_t j = 0; j < old_size; j++) {
+        if (old[j]) {
+            uint64_t i = home_of(self, self->nodes[old[j] - 1].key);
+            while (slots[i]) {
+                i = (i + 1) & self->mask;
+            }
+            slots[i] = old[j];
+        }
+    }
+    free(old);
+    return 0;
+}
+
+/* Empty slot i, moving later members of its probe run back so that no lookup stops short. */
+static void
+table_erase_slot(ShardObject *self, uint64_t i)
+{
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & self->mask;
+        uint32_t slot = self->slots[j];
+        if (slot == 0) {
+            break;
+        }
+        uint64_t k = home_of(self, self->nodes[slot - 1].key);
+        /* The member at j may fill i unless its home lies cyclically in (i, j]. */
+        int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            self->slots[i] = slot;
+            i = j;
+        }
+    }
+    self->slots[i] = 0;
+}
+
+/* ---- nodes and the key LRU ---- */
+
+static inline void
+lru_unlink(ShardObject *self, uint32_t n)
+{
+    Node *node = &self->nodes[n];
+    if (node->prev != NIL) {
+        self->nodes[node->prev].next = node->next;
+    }
+    else {
+        self->head = node->next;
+    }
+    if (node->next != NIL) {
+        self->nodes[node->next].prev = node->prev;
+    }
+    else {
+        self->tail = node->prev;
+    }
+}
+
+static inline void
+lru_push_tail(ShardObject *self, uint32_t n)
+{
+    Node *node = &self->nodes[n];
+    node->prev = self->tail;
+    node->next = NIL;
+    if (self->tail != NIL) {
+        self->nodes[self->tail].next = n;
+    }
+    else {
+        self->head = n;
+    }
+    self->tail = n;
+}
+
+/* A new newest key with these holders; -1 on memory exhaustion (nothing changed). */
+static int
+key_insert(ShardObject *self, uint64_t key, uint64_t slot, uintptr_t holder)
+{
+    uint32_t n;
+    if ((uint64_t)(self->count + 1) * 10 > (self->mask + 1) * 7) {
+        int bits = 64 - self->shift + 1;
+        if (table_resize(self, bits) < 0) {
+            return -1;
+        }
+        uint32_t absent;
+        slot = find_slot(self, key, &absent);
+    }
+    if (self->free_head != NIL) {
+        n = self->free_head;
+        self->free_head = self->nodes[n].next;
+    }
+    else {
+        if (self->nodes_len == self->nodes_cap) {
+            uint32_t cap = self->nodes_cap ? self->nodes_cap * 2 : 64;
+            Node *nodes;
+            if (self->nodes_cap >= (NIL - 1) / 2) {
+                PyErr_SetString(PyExc_OverflowError, "shard holds too many keys");
+                return -1;
+            }
+            nodes = realloc(self->nodes, (size_t)cap * sizeof(Node));
+            if (nodes == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            self->nodes = nodes;
+            self->nodes_cap = cap;
+        }
+        n = self->nodes_len++;
+    }
+    self->nodes[n].key = key;
+    self->nodes[n].holder = holder;
+    lru_push_tail(self, n);
+    self->slots[slot] = n + 1;
+    self->count++;
+    return 0;
+}
+
+static void
+multi_free(Multi *multi)
+{
+    Py_XDECREF(multi->ids);
+    free(multi);
+}
+
+/* Drop a key (its holders are the caller's to account for and free). */
+static void
+key_erase(ShardObject *self, uint64_t slot, uint32_t n)
+{
+    table_erase_slot(self, slot);
+    lru_unlink(self, n);
+    self->nodes[n].holder = 0;
+    self->nodes[n].next = self->free_head;
+    self->free_head = n;
+    self->count--;
+}
+
+static void
+key_erase_node(ShardObject *self, uint32_t n)
+{
+    uint32_t found;
+    uint64_t slot = find_slot(self, self->nodes[n].key, &found);
+    key_erase(self, slot, n);
+}
+
+/* ---- holder arrays ---- */
+
+static Multi *
+multi_new(uint32_t cap)
+{
+    Multi *multi = malloc(sizeof(Multi) + (size_t)cap * sizeof(Item));
+    if (multi == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    multi->len = 0;
+    multi->cap = cap;
+    multi->ids = NULL;
+    return multi;
+}
+
+/* Room for one more item; the array may move (*slot is updated). */
+static int
+multi_reserve(uintptr_t *slot)
+{
+    Multi *multi = MULTI(*slot);
+    if (multi->len < multi->cap) {
+        return 0;
+    }
+    uint32_t cap = multi->cap * 2;
+    Multi *grown = realloc(multi, sizeof(Multi) + (size_t)cap * sizeof(Item));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    grown->cap = cap;
+    *slot = (uintptr_t)grown;
+    return 0;
+}
+
+static inline int
+multi_find(const Multi *multi, uint32_t entry)
+{
+    for (uint32_t i = 0; i < multi->len; i++) {
+        if (multi->items[i].entry == entry) {
+            return (int)i;
+        }
+    }
+    return -1;
+}
+
+static inline void
+multi_delete(Multi *multi, uint32_t i)
+{
+    memmove(&multi->items[i], &multi->items[i + 1], (multi->len - i - 1) * sizeof(Item));
+    multi->len--;
+}
+
+static inline void
+multi_touch(Multi *multi)
+{
+    Py_CLEAR(multi->ids);
+}
+
+/* shard.py's _fold: after a pair lost copies, one entry with one copy goes back to the tagged word. */
+static void
+fold(ShardObject *self, uint32_t n)
+{
+    Multi *multi = MULTI(self->nodes[n].holder);
+    if (multi->len > 1) {
+        return;
+    }
+    if (multi->len == 0) {
+        multi_free(multi);
+        key_erase_node(self, n);
+        return;
+    }
+    if (multi->items[0].copies == 1) {
+        self->nodes[n].holder = SINGLE(multi->items[0].entry);
+        multi_free(multi);
+    }
+}
+
+/* ---- per entry ---- */
+
+static int
+entries_reserve(ShardObject *self, uint64_t entry)
+{
+    if (entry < self->entries_cap) {
+        return 0;
+    }
+    if (entry >= (uint64_t)INT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "entry id %llu out of range", (unsigned long long)entry);
+        return -1;
+    }
+    uint32_t cap = self->entries_cap ? self->entries_cap : 8;
+    while (cap <= entry) {
+        cap *= 2;
+    }
+    int64_t *live = realloc(self->live, (size_t)cap * sizeof(int64_t));
+    if (live == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->live = live;
+    Log *logs = realloc(self->logs, (size_t)cap * sizeof(Log));
+    if (logs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->logs = logs;
+    memset(&live[self->entries_cap], 0, (cap - self->entries_cap) * sizeof(int64_t));
+    memset(&logs[self->entries_cap], 0, (cap - self->entries_cap) * sizeof(Log));
+    self->entries_cap = cap;
+    return 0;
+}
+
+static int
+log_extend(Log *log, const uint64_t *keys, Py_ssize_t count)
+{
+    if ((uint64_t)log->len + (uint64_t)count > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an entry's key log is too long");
+        return -1;
+    }
+    uint32_t need = log->len + (uint32_t)count;
+    if (log->keys == NULL || need > log->cap) {
+        uint32_t cap = log->cap ? log->cap : 16;
+        while (cap < need) {
+            cap = cap > UINT32_MAX / 2 ? UINT32_MAX : cap * 2;
+        }
+        uint64_t *grown = realloc(log->keys, (size_t)cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        log->keys = grown;
+        log->cap = cap;
+    }
+    memcpy(&log->keys[log->len], keys, (size_t)count * sizeof(uint64_t));
+    log->len = need;
+    return 0;
+}
+
+static void
+log_drop(Log *log)
+{
+    free(log->keys);
+    log->keys = NULL;
+    log->len = log->cap = 0;
+}
+
+static int
+holds(const ShardObject *self, uint64_t key, uint32_t entry)
+{
+    uint32_t n = find_node(self, key);
+    if (n == NIL) {
+        return 0;
+    }
+    uintptr_t holder = self->nodes[n].holder;
+    if (IS_SINGLE(holder)) {
+        return SINGLE_ENTRY(holder) == entry;
+    }
+    return multi_find(MULTI(holder), entry) >= 0;
+}
+
+static int
+compare_keys(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Rewrite one entry's log with exactly the keys it holds, each once (order does not matter to readers:
+ * a clear drops the same pairs in any order). */
+static void
+compact(ShardObject *self, uint32_t entry)
+{
+    Log *log = &self->logs[entry];
+    uint32_t kept = 0;
+    qsort(log->keys, log->len, sizeof(uint64_t), compare_keys);
+    for (uint32_t i = 0; i < log->len; i++) {
+        uint64_t key = log->keys[i];
+        if (i && key == log->keys[i - 1]) {
+            continue;
+        }
+        if (holds(self, key, entry)) {
+            log->keys[kept++] = key;
+        }
+    }
+    log->len = kept;
+    if (log->cap > 64 && kept < log->cap / 4) {
+        uint32_t cap = kept < 16 ? 16 : kept;
+        uint64_t *shrunk = realloc(log->keys, (size_t)cap * sizeof(uint64_t));
+        if (shrunk != NULL) {
+            log->keys = shrunk;
+            log->cap = cap;
+        }
+    }
+}
+
+/* ---- the write path ---- */
+
+/* One key of a store (shard.py's _store_each); -1 on memory exhaustion. */
+static int
+store_key(ShardObject *self, uint32_t entry, uint64_t key, Py_ssize_t *counts, int64_t *stored)
+{
+    uint32_t n;
+    uint64_t slot = find_slot(self, key, &n);
+    if (n == NIL) {
+        if (key_insert(self, key, slot, SINGLE(entry)) < 0) {
+            return -1;
+        }
+        (*stored)++;
+        return 0;
+    }
+    Node *node = &self->nodes[n];
+    /* A store makes the key the newest in the key LRU. */
+    if (self->tail != n) {
+        lru_unlink(self, n);
+        lru_push_tail(self, n);
+    }
+    uintptr_t holder = node->holder;
+    if (!IS_SINGLE(holder)) {
+        Multi *multi = MULTI(holder);
+        multi_touch(multi);
+        int i = multi_find(multi, entry);
+        if (i >= 0) {
+            /* One more copy, and the entry becomes the newest in this key's LRU. */
+            uint32_t copies = multi->items[i].copies;
+            multi_delete(multi, (uint32_t)i);
+            multi->items[multi->len].entry = entry;
+            multi->items[multi->len].copies = copies < MAX_COPIES ? copies + 1 : MAX_COPIES;
+            multi->len++;
+            counts[C_REFRESHED]++;
+            return 0;
+        }
+        if (multi_reserve(&node->holder) < 0) {
+            return -1;
+        }
+        multi = MULTI(node->holder);
+        multi->items[multi->len].entry = entry;
+        multi->items[multi->len].copies = 1;
+        multi->len++;
+        (*stored)++;
+        if ((Py_ssize_t)multi->len > self->max_pods_per_key) {
+            self->live[multi->items[0].entry]--;
+            multi_delete(multi, 0);
+            counts[C_EVICTED_ENTRIES]++;
+            if (multi->len == 1) { /* max_pods_per_key == 1 and a single new copy */
+                node->holder = SINGLE(entry);
+                multi_free(multi);
+            }
+        }
+        return 0;
+    }
+    uint32_t held = SINGLE_ENTRY(holder);
+    if (held == entry) {
+        Multi *multi = multi_new(2);
+        if (multi == NULL) {
+            return -1;
+        }
+        multi->items[0].entry = entry;
+        multi->items[0].copies = 2;
+        multi->len = 1;
+        node->holder = (uintptr_t)multi;
+        counts[C_REFRESHED]++;
+    }
+    else if (self->max_pods_per_key == 1) {
+        self->live[held]--;
+        node->holder = SINGLE(entry);
+        (*stored)++;
+        counts[C_EVICTED_ENTRIES]++;
+    }
+    else {
+        Multi *multi = multi_new(2);
+        if (multi == NULL) {
+            return -1;
+        }
+        multi->items[0].entry = held;
+        multi->items[0].copies = 1;
+        multi->items[1].entry = entry;
+        multi->items[1].copies = 1;
+        multi->len = 2;
+        node->holder = (uintptr_t)multi;
+        (*stored)++;
+    }
+    return 0;
+}
+
+/* A full shard drops its least recently stored keys down to low_water. */
+static void
+evict_oldest_keys(ShardObject *self, Py_ssize_t *counts)
+{
+    while ((Py_ssize_t)self->count > self->low_water) {
+        uint32_t n = self->head;
+        uintptr_t holder = self->nodes[n].holder;
+        if (IS_SINGLE(holder)) {
+            self->live[SINGLE_ENTRY(holder)]--;
+            counts[C_EVICTED_ENTRIES]++;
+        }
+        else {
+            Multi *multi = MULTI(holder);
+            for (uint32_t i = 0; i < multi->len; i++) {
+                self->live[multi->items[i].entry]--;
+            }
+            counts[C_EVICTED_ENTRIES] += multi->len;
+            multi_free(multi);
+        }
+        key_erase_node(self, n);
+        counts[C_EVICTED_KEYS]++;
+    }
+}
+
+/* A step's store: each group's keys in order (consecutive events of one entry, merged by the facade). */
+static int
+store_step(ShardObject *self, uint32_t entry, PyObject *groups, Py_ssize_t *counts)
+{
+    PyObject *fast = PySequence_Fast(groups, "a store step's key groups must be a sequence");
+    int64_t stored = 0;
+    int status = 0;
+    if (fast == NULL) {
+        return -1;
+    }
+    Log *log = &self->logs[entry];
+    for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(fast) && status == 0; g++) {
+        PyObject *group = PySequence_Fast_GET_ITEM(fast, g);
+        Py_buffer view;
+        if (!PyTuple_Check(group) || PyTuple_GET_SIZE(group) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a key group must be (keys, array('Q') of the keys)");
+            status = -1;
+            break;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(group, 1), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            status = -1;
+            break;
+        }
+        if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) {
+            PyErr_SetString(PyExc_TypeError, "a key group's keys must be an array('Q')");
+            PyBuffer_Release(&view);
+            status = -1;
+            break;
+        }
+        const uint64_t *keys = view.buf;
+        Py_ssize_t num_keys = view.len / 8;
+        /* Logged whole: keys this entry already holds just leave a duplicate for compaction. */
+        status = log_extend(log, keys, num_keys);
+        for (Py_ssize_t i = 0; i < num_keys && status == 0; i++) {
+            status = store_key(self, entry, keys[i], counts, &stored);
+        }
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(fast);
+    self->live[entry] += stored;
+    counts[C_STORED] += stored;
+    if ((Py_ssize_t)self->count > self->capacity) {
+        evict_oldest_keys(self, counts);
+    }
+    if (log->keys != NULL && (int64_t)log->len > 2 * self->live[entry] + 64) {
+        compact(self, entry);
+    }
+    return status;
+}
+
+/* Drop one copy of each key this entry holds (a removal is not a store: nothing moves in either LRU). */
+static int
+remove_step(ShardObject *self, uint32_t entry, PyObject *keys, Py_ssize_t *counts)
+{
+    PyObject *fast = PySequence_Fast(keys, "a remove step's keys must be a sequence");
+    Py_ssize_t removed = 0, released = 0, num_keys;
+    if (fast == NULL) {
+        return -1;
+    }
+    num_keys = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < num_keys; i++) {
+        uint64_t key = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        uint32_t n;
+        if (key == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        uint64_t slot = find_slot(self, key, &n);
+        if (n == NIL) {
+            continue;
+        }
+        uintptr_t holder = self->nodes[n].holder;
+        if (IS_SINGLE(holder)) {
+            if (SINGLE_ENTRY(holder) == entry) {
+                key_erase(self, slot, n);
+                removed++;
+            }
+            continue;
+        }
+        Multi *multi = MULTI(holder);
+        int at = multi_find(multi, entry);
+        if (at < 0) {
+            continue;
+        }
+        multi_touch(multi);
+        if (multi->items[at].copies > 1) {
+            multi->items[at].copies--;
+            released++;
+        }
+        else {
+            multi_delete(multi, (uint32_t)at);
+            removed++;
+        }
+        fold(self, n);
+    }
+    Py_DECREF(fast);
+    counts[C_REMOVED] += removed;
+    counts[C_RELEASED] += released;
+    counts[C_MISSING] += num_keys - removed - released;
+    if (removed) {
+        self->live[entry] -= removed;
+        if (!self->live[entry]) {
+            log_drop(&self->logs[entry]);
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+entry_object(uint32_t entry)
+{
+    return PyLong_FromUnsignedLong(entry);
+}
+
+/* 1 if the key is held by any of `entry_ids` (a frozenset of ints), 0 if not, -1 on error. */
+static int
+held_by_any(ShardObject *self, uint64_t key, PyObject *entry_ids)
+{
+    uint32_t n = find_node(self, key);
+    if (n == NIL) {
+        return 0;
+    }
+    uintptr_t holder = self->nodes[n].holder;
+    uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
+    for (uint32_t i = 0; i < len; i++) {
+        uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
+        PyObject *id = entry_object(entry);
+        int found;
+        if (id == NULL) {
+            return -1;
+        }
+        found = PySet_Contains(entry_ids, id);
+        Py_DECREF(id);
+        if (found != 0) {
+            return found;
+        }
+    }
+    return 0;
+}
+
+/* Every pair of one entry (cost: the length of its log); returns the pairs dropped. */
+static Py_ssize_t
+clear_entry(ShardObject *self, uint32_t entry)
+{
+    Py_ssize_t cleared = 0;
+    if (entry >= self->entries_cap) {
+        return 0;
+    }
+    Log *log = &self->logs[entry];
+    self->live[entry] = 0;
+    for (uint32_t k = 0; log->keys != NULL && k < log->len; k++) {
+        uint32_t n;
+        uint64_t slot = find_slot(self, log->keys[k], &n);
+        if (n == NIL) {
+            continue;
+        }
+        uintptr_t holder = self->nodes[n].holder;
+        if (IS_SINGLE(holder)) {
+            if (SINGLE_ENTRY(holder) == entry) {
+                key_erase(self, slot, n);
+                cleared++;
+            }
+            continue;
+        }
+        Multi *multi = MULTI(holder);
+        int at = multi_find(multi, entry);
+        if (at >= 0) {
+            multi_touch(multi);
+            multi_delete(multi, (uint32_t)at);
+            cleared++;
+            fold(self, n);
+        }
+    }
+    log_drop(log);
+    return cleared;
+}
+
+static int
+as_entry(ShardObject *self, PyObject *obj, uint32_t *entry)
+{
+    unsigned long value = PyLong_AsUnsignedLong(obj);
+    if (value == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (entries_reserve(self, value) < 0) {
+        return -1;
+    }
+    *entry = (uint32_t)value;
+    return 0;
+}
+
+static Py_ssize_t
+clear_entries(ShardObject *self, PyObject *entry_ids)
+{
+    PyObject *iter = PyObject_GetIter(entry_ids);
+    PyObject *item;
+    Py_ssize_t cleared = 0;
+    if (iter == NULL) {
+        return -1;
+    }
+    while ((item = PyIter_Next(iter)) != NULL) {
+        uint32_t entry;
+        int status = as_entry(self, item, &entry);
+        Py_DECREF(item);
+        if (status < 0) {
+            Py_DECREF(iter);
+            return -1;
+        }
+        cleared += clear_entry(self, entry);
+    }
+    Py_DECREF(iter);
+    return PyErr_Occurred() ? -1 : cleared;
+}
+
+static PyObject *
+Shard_clear_entries(ShardObject *self, PyObject *entry_ids)
+{
+    Py_ssize_t cleared = clear_entries(self, entry_ids);
+    return cleared < 0 ? NULL : PyLong_FromSsize_t(cleared);
+}
+
+/* Add the batch's counts into the caller's counter list (ApplyStats' field order). */
+static int
+add_counts(PyObject *counts_list, const Py_ssize_t *counts)
+{
+    if (!PyList_Check(counts_list) || PyList_GET_SIZE(counts_list) != NUM_COUNTS) {
+        PyErr_SetString(PyExc_TypeError, "counts must be a list of 9 ints");
+        return -1;
+    }
+    for (int i = 0; i < NUM_COUNTS; i++) {
+        if (!counts[i]) {
+            continue;
+        }
+        Py_ssize_t before = PyLong_AsSsize_t(PyList_GET_ITEM(counts_list, i));
+        if (before == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        PyObject *after = PyLong_FromSsize_t(before + counts[i]);
+        if (after == NULL) {
+            return -1;
+        }
+        PyList_SetItem(counts_list, i, after);
+    }
+    return 0;
+}
+
+static PyObject *
+Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t counts[NUM_COUNTS] = {0};
+    PyObject *fast;
+    int status = 0;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "apply_steps(steps, pod_entry_ids, counts)");
+        return NULL;
+    }
+    PyObject *pod_entry_ids = args[1];
+    fast = PySequence_Fast(args[0], "steps must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t s = 0; s < PySequence_Fast_GET_SIZE(fast) && status == 0; s++) {
+        PyObject *step = PySequence_Fast_GET_ITEM(fast, s);
+        Py_ssize_t size = PyTuple_Check(step) ? PyTuple_GET_SIZE(step) : 0;
+        long kind = size ? PyLong_AsLong(PyTuple_GET_ITEM(step, 0)) : -1;
+        uint32_t entry;
+        if (kind == -1 && PyErr_Occurred()) {
+            status = -1;
+        }
+        else if ((kind == STEP_STORE || kind == STEP_REMOVE) && size == 3) {
+            status = as_entry(self, PyTuple_GET_ITEM(step, 1), &entry);
+            if (status == 0) {
+                status = kind == STEP_STORE ? store_step(self, entry, PyTuple_GET_ITEM(step, 2), counts)
+                                            : remove_step(self, entry, PyTuple_GET_ITEM(step, 2), counts);
+            }
+        }
+        else if (kind == STEP_CHECK_PARENT && size == 2) {
+            uint64_t key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(step, 1));
+            int held;
+            if (key == (uint64_t)-1 && PyErr_Occurred()) {
+                status = -1;
+            }
+            else if ((held = held_by_any(self, key, pod_entry_ids)) < 0) {
+                status = -1;
+            }
+            else if (!held) {
+                counts[C_UNKNOWN_PARENT]++;
+            }
+        }
+        else if (kind == STEP_CLEAR && size == 1) {
+            Py_ssize_t cleared = clear_entries(self, pod_entry_ids);
+            if (cleared < 0) {
+                status = -1;
+            }
+            else {
+                counts[C_CLEARED] += cleared;
+            }
+        }
+        else {
+            PyErr_SetString(PyExc_TypeError, "not a shard step");
+            status = -1;
+        }
+    }
+    Py_DECREF(fast);
+    /* Counted even when a step failed part-way (it can only be memory exhaustion): the index changed. */
+    if (add_counts(args[2], counts) < 0 || status < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- the read path ---- */
+
+/* The lookup answer for a multi holder: its cached tuple, else `last` if it has the same ids in the same
+ * order (the blocks of a shared prefix then share one tuple, as shard.py's interning makes them), else a
+ * new one. Borrowed. */
+static PyObject *
+multi_ids(Multi *multi, PyObject *last)
+{
+    if (multi->ids != NULL) {
+        return multi->ids;
+    }
+    if (last != NULL && PyTuple_GET_SIZE(last) == (Py_ssize_t)multi->len) {
+        uint32_t i;
+        for (i = 0; i < multi->len; i++) {
+            if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(last, i)) != multi->items[i].entry) {
+                break;
+            }
+        }
+        if (i == multi->len) {
+            Py_INCREF(last);
+            multi->ids = last;
+            return last;
+        }
+    }
+    PyObject *ids = PyTuple_New(multi->len);
+    if (ids == NULL) {
+        return NULL;
+    }
+    for (uint32_t i = 0; i < multi->len; i++) {
+        PyObject *id = entry_object(multi->items[i].entry);
+        if (id == NULL) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(ids, i, id);
+    }
+    multi->ids = ids;
+    return ids;
+}
+
+/* The ids holding `key` (borrowed), NULL with no error set when nobody does, NULL with an error on
+ * failure. *last is the previous multi holder's answer, updated when this one is a multi holder too. */
+static PyObject *
+ids_of(ShardObject *self, PyObject *key_object, PyObject *single_ids, PyObject **last)
+{
+    uint64_t key = PyLong_AsUnsignedLongLong(key_object);
+    if (key == (uint64_t)-1 && PyErr_Occurred()) {
+        /* Not a key this index can hold (a dict lookup in shard.py just misses). */
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return NULL;
+    }
+    uint32_t n = find_node(self, key);
+    if (n == NIL) {
+        return NULL;
+    }
+    uintptr_t holder = self->nodes[n].holder;
+    if (IS_SINGLE(holder)) {
+        uint32_t entry = SINGLE_ENTRY(holder);
+        if ((Py_ssize_t)entry >= PyList_GET_SIZE(single_ids)) {
+            PyErr_SetString(PyExc_IndexError, "entry id without a single-id tuple");
+            return NULL;
+        }
+        return PyList_GET_ITEM(single_ids, entry);
+    }
+    PyObject *ids = multi_ids(MULTI(holder), *last);
+    if (ids != NULL) {
+        *last = ids;
+    }
+    return ids;
+}
+
+static PyObject *
+Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "lookup_run(block_keys, single_ids: list, out: list)");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[0], "block keys must be a sequence");
+    PyObject *last = NULL;
+    if (fast == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        PyObject *ids = ids_of(self, PySequence_Fast_GET_ITEM(fast, i), args[1], &last);
+        if (ids == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(fast);
+                return NULL;
+            }
+            break;
+        }
+        if (PyList_Append(args[2], ids) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Shard_ids_of(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "ids_of(block_key, single_ids: list)");
+        return NULL;
+    }
+    PyObject *last = NULL;
+    PyObject *ids = ids_of(self, args[0], args[1], &last);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(ids);
+    return ids;
+}
+
+/* ---- counts and views ---- */
+
+static PyObject *
+Shard_num_keys(ShardObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLong(self->count);
+}
+
+static PyObject *
+Shard_live_of(ShardObject *self, PyObject *entry_object)
+{
+    unsigned long entry = PyLong_AsUnsignedLong(entry_object);
+    if (entry == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLongLong(entry < self->entries_cap ? self->live[entry] : 0);
+}
+
+static PyObject *
+Shard_live_total(ShardObject *self, PyObject *Py_UNUSED(ignored))
+{
+    long long total = 0;
+    for (uint32_t e = 0; e < self->entries_cap; e++) {
+        total += self->live[e];
+    }
+    return PyLong_FromLongLong(total);
+}
+
+static PyObject *
+holder_copies(uintptr_t holder)
+{
+    PyObject *copies = PyDict_New();
+    uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
+    if (copies == NULL) {
+        return NULL;
+    }
+    for (uint32_t i = 0; i < len; i++) {
+        uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
+        uint32_t count = IS_SINGLE(holder) ? 1 : MULTI(holder)->items[i].copies;
+        PyObject *id = entry_object(entry);
+        PyObject *value = PyLong_FromUnsignedLong(count);
+        int status = (id && value) ? PyDict_SetItem(copies, id, value) : -1;
+        Py_XDECREF(id);
+        Py_XDECREF(value);
+        if (status < 0) {
+            Py_DECREF(copies);
+            return NULL;
+        }
+    }
+    return copies;
+}
+
+static PyObject *
+Shard_copies_by_key(ShardObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *result = PyList_New(0);
+    if (result == NULL) {
+        return NULL;
+    }
+    for (uint32_t n = self->head; n != NIL; n = self->nodes[n].next) {
+        PyObject *copies = holder_copies(self->nodes[n].holder);
+        PyObject *pair = copies ? Py_BuildValue("(KN)", (unsigned long long)self->nodes[n].key, copies) : NULL;
+        if (pair == NULL || PyList_Append(result, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return result;
+}
+
+static int
+problem(PyObject *problems, PyObject *message)
+{
+    int status = message ? PyList_Append(problems, message) : -1;
+    Py_XDECREF(message);
+    return status;
+}
+
+static int
+logged(const ShardObject *self, uint32_t entry, uint64_t key, uint64_t **sorted)
+{
+    const Log *log = &self->logs[entry];
+    if (log->keys == NULL) {
+        return 0;
+    }
+    if (sorted[entry] == NULL) {
+        sorted[entry] = malloc((size_t)(log->len ? log->len : 1) * sizeof(uint64_t));
+        if (sorted[entry] == NULL) {
+            return -1;
+        }
+        memcpy(sorted[entry], log->keys, (size_t)log->len * sizeof(uint64_t));
+        qsort(sorted[entry], log->len, sizeof(uint64_t), compare_keys);
+    }
+    return bsearch(&key, sorted[entry], log->len, sizeof(uint64_t), compare_keys) != NULL;
+}
+
+/* Violations of this shard's invariants (shard.py's problems, plus the table's own). */
+static int
+collect_problems(ShardObject *self, long shard_no, unsigned long long num_shards, PyObject *problems,
+                 int64_t *held, uint64_t **sorted)
+{
+    uint32_t walked = 0;
+    if ((Py_ssize_t)self->count > self->capacity
+        && problem(problems, PyUnicode_FromFormat("shard %ld: %u keys > %zd", shard_no, self->count,
+                                                  self->capacity)) < 0) {
+        return -1;
+    }
+    for (uint32_t n = self->head; n != NIL; n = self->nodes[n].next) {
+        const Node *node = &self->nodes[n];
+        unsigned long long key = node->key;
+        uintptr_t holder = node->holder;
+        uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
+        if (++walked > self->count) {
+            return problem(problems, PyUnicode_FromFormat("shard %ld: the key LRU has a cycle", shard_no));
+        }
+        if (num_shards && key % num_shards != (unsigned long long)shard_no
+            && problem(problems, PyUnicode_FromFormat("key %llu in shard %ld", key, shard_no)) < 0) {
+            return -1;
+        }
+        if (find_node(self, node->key) != n
+            && problem(problems, PyUnicode_FromFormat("shard %ld: key %llu not in the key table", shard_no,
+                                                      key)) < 0) {
+            return -1;
+        }
+        if (!IS_SINGLE(holder)) {
+            Multi *multi = MULTI(holder);
+            if ((multi->len < 1 || (Py_ssize_t)multi->len > self->max_pods_per_key)
+                && problem(problems, PyUnicode_FromFormat("key %llu: %u holders in a dict", key,
+                                                          multi->len)) < 0) {
+                return -1;
+            }
+            if (multi->len == 1 && multi->items[0].copies == 1
+                && problem(problems, PyUnicode_FromFormat("key %llu: one holder with one copy left in a dict",
+                                                          key)) < 0) {
+                return -1;
+            }
+            for (uint32_t i = 0; i < multi->len; i++) {
+                if ((multi->items[i].copies < 1 || multi->items[i].copies > MAX_COPIES)
+                    && problem(problems, PyUnicode_FromFormat("key %llu: copy counts out of range", key)) < 0) {
+                    return -1;
+                }
+            }
+            if (multi->ids != NULL) {
+                int stale = PyTuple_GET_SIZE(multi->ids) != (Py_ssize_t)multi->len;
+                for (uint32_t i = 0; !stale && i < multi->len; i++) {
+                    stale = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(multi->ids, i)) != multi->items[i].entry;
+                }
+                if (stale
+                    && problem(problems, PyUnicode_FromFormat("shard %ld: stale lookup tuple for key %llu",
+                                                              shard_no, key)) < 0) {
+                    return -1;
+                }
+            }
+        }
+        for (uint32_t i = 0; i < len; i++) {
+            uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
+            int found;
+            if (entry >= self->entries_cap) {
+                if (problem(problems, PyUnicode_FromFormat("shard %ld: key %llu held by unknown entry %u",
+                                                           shard_no, key, entry)) < 0) {
+                    return -1;
+                }
+                continue;
+            }
+            held[entry]++;
+            found = logged(self, entry, node->key, sorted);
+            if (found < 0) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            if (!found
+                && problem(problems, PyUnicode_FromFormat("shard %ld: key %llu missing from entry %u's log",
+                                                          shard_no, key, entry)) < 0) {
+                return -1;
+            }
+        }
+    }
+    if (walked != self->count
+        && problem(problems, PyUnicode_FromFormat("shard %ld: %u keys in the LRU, %u counted", shard_no, walked,
+                                                  self->count)) < 0) {
+        return -1;
+    }
+    for (uint32_t e = 0; e < self->entries_cap; e++) {
+        if (self->live[e] != held[e]
+            && problem(problems, PyUnicode_FromFormat("shard %ld: live count %lld of entry %u != %lld held pairs",
+                                                      shard_no, (long long)self->live[e], e,
+                                                      (long long)held[e])) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+Shard_problems(ShardObject *self, PyObject *args)
+{
+    long shard_no;
+    unsigned long long num_shards;
+    if (!PyArg_ParseTuple(args, "lK", &shard_no, &num_shards)) {
+        return NULL;
+    }
+    PyObject *problems = PyList_New(0);
+    int64_t *held = calloc(self->entries_cap ? self->entries_cap : 1, sizeof(int64_t));
+    uint64_t **sorted = calloc(self->entries_cap ? self->entries_cap : 1, sizeof(uint64_t *));
+    int status = -1;
+    if (problems == NULL || held == NULL || sorted == NULL) {
+        if (problems != NULL) {
+            PyErr_NoMemory();
+        }
+    }
+    else {
+        status = collect_problems(self, shard_no, num_shards, problems, held, sorted);
+    }
+    for (uint32_t e = 0; sorted != NULL && e < self->entries_cap; e++) {
+        free(sorted[e]);
+    }
+    free(sorted);
+    free(held);
+    if (status < 0) {
+        Py_XDECREF(problems);
+        return NULL;
+    }
+    return problems;
+}
+
+/* ---- the type ---- */
+
+static int
+Shard_init(ShardObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"capacity", "max_pods_per_key", NULL};
+    Py_ssize_t capacity, max_pods_per_key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn", names, &capacity, &max_pods_per_key)) {
+        return -1;
+    }
+    if (capacity < 1 || max_pods_per_key < 1 || capacity >= (Py_ssize_t)(NIL / 2)) {
+        PyErr_Format(PyExc_ValueError, "capacity must be in [1, %u) and max_pods_per_key >= 1, got %zd, %zd",
+                     NIL / 2, capacity, max_pods_per_key);
+        return -1;
+    }
+    if (self->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a shard is initialised once");
+        return -1;
+    }
+    self->capacity = capacity;
+    self->low_water = capacity - capacity / 64;
+    self->max_pods_per_key = max_pods_per_key;
+    self->head = self->tail = self->free_head = NIL;
+    return table_resize(self, 6);
+}
+
+static void
+Shard_dealloc(ShardObject *self)
+{
+    for (uint32_t n = self->head; self->nodes != NULL && n != NIL; n = self->nodes[n].next) {
+        if (!IS_SINGLE(self->nodes[n].holder)) {
+            multi_free(MULTI(self->nodes[n].holder));
+        }
+    }
+    for (uint32_t e = 0; e < self->entries_cap; e++) {
+        free(self->logs[e].keys);
+    }
+    free(self->logs);
+    free(self->live);
+    free(self->nodes);
+    free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Shard_methods[] = {
+    {"apply_steps", (PyCFunction)(void (*)(void))Shard_apply_steps, METH_FASTCALL,
+     "apply_steps(steps, pod_entry_ids, counts): apply one batch's steps for this shard, in order."},
+    {"clear_entries", (PyCFunction)Shard_clear_entries, METH_O,
+     "clear_entries(entry_ids) -> int: drop every pair of these entries."},
+    {"lookup_run", (PyCFunction)(void (*)(void))Shard_lookup_run, METH_FASTCALL,
+     "lookup_run(block_keys, single_ids, out): append the ids holding each leading key; stop at a miss."},
+    {"ids_of", (PyCFunction)(void (*)(void))Shard_ids_of, METH_FASTCALL,
+     "ids_of(block_key, single_ids) -> tuple | None: the ids holding one key."},
+    {"num_keys", (PyCFunction)Shard_num_keys, METH_NOARGS, "Keys held."},
+    {"live_of", (PyCFunction)Shard_live_of, METH_O, "Pairs one entry holds here."},
+    {"live_total", (PyCFunction)Shard_live_total, METH_NOARGS, "Pairs held here."},
+    {"copies_by_key", (PyCFunction)Shard_copies_by_key, METH_NOARGS,
+     "Every key with its holders' copy counts, least recently stored first."},
+    {"problems", (PyCFunction)Shard_problems, METH_VARARGS,
+     "problems(shard_no, num_shards) -> list[str]: violated invariants."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Shard_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(ShardObject, capacity), READONLY, NULL},
+    {"low_water", T_PYSSIZET, offsetof(ShardObject, low_water), READONLY, NULL},
+    {"max_pods_per_key", T_PYSSIZET, offsetof(ShardObject, max_pods_per_key), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ShardType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvindex.indexer._shard.Shard",
+    .tp_basicsize = sizeof(ShardObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One index shard: the key LRU of block keys and each key's holders (see indexer/shard.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Shard_init,
+    .tp_dealloc = (destructor)Shard_dealloc,
+    .tp_methods = Shard_methods,
+    .tp_members = Shard_members,
+};
+
+static struct PyModuleDef shard_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvindex.indexer._shard",
+    .m_doc = "The compiled core of one index shard (indexer/shard.py is the reference).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__shard(void)
+{
+    PyObject *module;
+    if (PyType_Ready(&ShardType) < 0) {
+        return NULL;
+    }
+    module = PyModule_Create(&shard_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&ShardType);
+    if (PyModule_AddObject(module, "Shard", (PyObject *)&ShardType) < 0) {
+        Py_DECREF(&ShardType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,40 @@
+"""Which core runs the index's shards: compiled or pure Python.
+
+The compiled core (kvindex.indexer._shard, indexer/_shard.c) is built by `pip install` when a C compiler
+is present; it keeps the same two LRU levels, copy counts and reverse logs as indexer/shard.py in ~40
+bytes per pair instead of ~100. shard.py's `Shard` is the reference, and runs when the extension is absent
+or KVINDEX_PURE_PYTHON=1 was set at import (the switch the hash core reads too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvindex.hashing.compiled import pure_python_forced
+from kvindex.indexer.shard import Shard, ShardCore
+
+# (capacity, max_pods_per_key) -> an empty shard.
+ShardFactory = Callable[[int, int], ShardCore]
+
+
+def load_extension() -> ShardFactory | None:
+    """The compiled shard type if it was built and imports, whatever KVINDEX_PURE_PYTHON says; else None."""
+    try:
+        from kvindex.indexer import _shard
+    except ImportError:  # not built: no compiler at install time
+        return None
+    return _shard.Shard
+
+
+# NOTE: read when a KVIndex is made (never per call), so a test can run both cores in one process by
+# setting this; everything else treats it as a constant.
+shard_type: ShardFactory = Shard if pure_python_forced() else (load_extension() or Shard)
+
+
+def describe() -> str:
+    """One line for the logs: which core runs."""
+    if shard_type is not Shard:
+        return "block index: compiled core"
+    if pure_python_forced():
+        return "block index: pure Python (KVINDEX_PURE_PYTHON is set)"
+    return "block index: pure Python (the compiled core was not built)"

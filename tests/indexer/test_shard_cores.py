@@ -1,0 +1,198 @@
+"""The compiled shard core (indexer/_shard.c) against shard.py's pure-Python reference: the same operations
+on a KVIndex of each must give the same answers, the same counts and the same state, LRU order included
+at both levels (which key a full shard evicts next, which pod a full key drops next)."""
+
+from __future__ import annotations
+
+import os
+import random
+from array import array
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from index_cores import make_index, require_extension
+from kvindex.indexer.events import (
+    TIER_CPU,
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+    PodRef,
+)
+from kvindex.indexer.index import KVIndex
+from kvindex.indexer.shard import STORE, Shard
+
+pytestmark = pytest.mark.timeout(300)
+
+PODS = [PodRef("a"), PodRef("a", 1), PodRef("b"), PodRef("c")]
+TIERS = [TIER_GPU, TIER_CPU]
+# Small keys collide often (shared blocks, repeats, removals of held keys); the big ones probe the
+# table with the top bit set and the widest value.
+KEYS = st.one_of(st.integers(0, 30), st.sampled_from([2**63, 2**63 + 1, 2**64 - 1, 2**32, 12345678901234567]))
+
+events_strategy = st.lists(
+    st.one_of(
+        st.builds(
+            BlocksStored,
+            block_keys=st.lists(KEYS, max_size=8).map(tuple),
+            parent_key=st.none() | KEYS,
+            token_ids=st.just(()),
+            block_size=st.just(16),
+            tier=st.sampled_from(TIERS),
+        ),
+        st.builds(
+            BlocksRemoved, block_keys=st.lists(KEYS, max_size=6).map(tuple), tier=st.sampled_from(TIERS)
+        ),
+        st.just(AllBlocksCleared()),
+    ),
+    max_size=6,
+)
+
+# (num_shards, max_keys, max_pods_per_key): evictions at both levels, one pod per key, several shards.
+CONFIGS = [(1, 6, 2), (1, 5, 1), (3, 12, 3), (2, 4, 1), (1, 10_000, 256), (4, 64, 2)]
+
+
+def ordered_state(index: KVIndex) -> list[list[tuple[int, list[tuple[int, int]]]]]:
+    """Each shard's keys in key-LRU order, each with its (entry id, copies) in holder-LRU order."""
+    return [[(key, list(copies.items())) for key, copies in shard.copies_by_key()] for shard in index._shards]
+
+
+def assert_same(pure: KVIndex, compiled: KVIndex) -> None:
+    assert ordered_state(compiled) == ordered_state(pure)
+    assert compiled.num_keys() == pure.num_keys()
+    assert compiled.num_entries() == pure.num_entries()
+    assert compiled.pods() == pure.pods()
+    for pod in PODS:
+        for tier in (None, *TIERS):
+            assert compiled.pod_block_count(pod, tier) == pure.pod_block_count(pod, tier)
+    assert pure.check_consistency() == []
+    assert compiled.check_consistency() == []
+
+
+class CoresAgree(RuleBasedStateMachine):
+    def __init__(self, config: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.pure = make_index("pure", *config)
+        self.compiled = make_index("compiled", *config)
+
+    @rule(pod=st.sampled_from(PODS), events=events_strategy)
+    def apply(self, pod: PodRef, events: list[KVEvent]) -> None:
+        assert self.compiled.apply(pod, events) == self.pure.apply(pod, events)
+
+    @rule(pod=st.sampled_from(PODS))
+    def clear_pod(self, pod: PodRef) -> None:
+        assert self.compiled.clear_pod(pod) == self.pure.clear_pod(pod)
+
+    @rule(
+        prompt=st.lists(KEYS | st.sampled_from([-1, 2**64, 2**70]), max_size=10),
+        pods=st.none() | st.sets(st.sampled_from(["a", "b", "c", "z"])),
+    )
+    def lookup(self, prompt: list[int], pods: set[str] | None) -> None:
+        assert self.compiled.lookup_ids(prompt, pods) == self.pure.lookup_ids(prompt, pods)
+        assert self.compiled.lookup(prompt, pods) == self.pure.lookup(prompt, pods)
+
+    @invariant()
+    def same_state(self) -> None:
+        assert_same(self.pure, self.compiled)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_core_matches_the_pure_core(config: tuple[int, int, int]) -> None:
+    require_extension()
+    run_state_machine_as_test(
+        lambda: CoresAgree(config),
+        settings=settings(
+            max_examples=120,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def test_large_random_workload_matches_the_pure_core() -> None:
+    """Table growth, backward-shift deletions and log compaction at scale: 64-bit random keys, chains
+    that share prefixes, removals and clears, on a shard that evicts."""
+    require_extension()
+    rng = random.Random(14)
+    pure = make_index("pure", 2, 40_000, 3)
+    compiled = make_index("compiled", 2, 40_000, 3)
+    prefixes = [[rng.getrandbits(64) for _ in range(64)] for _ in range(8)]
+    held: dict[PodRef, list[int]] = {pod: [] for pod in PODS}
+    for step in range(3_000):
+        pod = rng.choice(PODS)
+        roll = rng.random()
+        events: list[KVEvent]
+        if roll < 0.6:
+            chain = rng.choice(prefixes)[: rng.randint(1, 64)] + [
+                rng.getrandbits(64) for _ in range(rng.randint(0, 40))
+            ]
+            events = [BlocksStored(tuple(chain), None, (), 16, rng.choice(TIERS))]
+            held[pod].extend(chain)
+        elif roll < 0.95 and held[pod]:
+            events = [BlocksRemoved(tuple(rng.sample(held[pod], min(len(held[pod]), 30))), rng.choice(TIERS))]
+        elif roll < 0.98:
+            events = [AllBlocksCleared()]
+            held[pod] = []
+        else:
+            assert compiled.clear_pod(pod) == pure.clear_pod(pod)
+            held[pod] = []
+            continue
+        assert compiled.apply(pod, events) == pure.apply(pod, events), step
+        if step % 500 == 0:
+            prompt = rng.choice(prefixes) + [rng.getrandbits(64)]
+            assert compiled.lookup_ids(prompt) == pure.lookup_ids(prompt)
+    assert_same(pure, compiled)
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_compiled_core_frees_what_it_drops() -> None:
+    """Stores, shared keys (holder arrays and their cached lookup tuples), removals, evictions and clears,
+    over and over: the process must not grow once the first rounds have sized the allocator."""
+    shard_type = require_extension()
+    keys = list(range(1, 20_001))
+    groups = [(keys, array("Q", keys))]
+    single_ids = [(entry,) for entry in range(4)]
+
+    def one_round() -> None:
+        shard = shard_type(15_000, 2)  # evicts: 20k keys into 15k
+        counts = [0] * 9
+        for entry in range(3):
+            shard.apply_steps([(STORE, entry, groups)], frozenset({entry}), counts)
+            out: list[tuple[int, ...]] = []
+            shard.lookup_run(keys, single_ids, out)
+        shard.apply_steps([(1, 2, keys[:5_000])], frozenset({2}), counts)
+        assert shard.clear_entries([0, 1]) > 0
+        del shard
+
+    for _ in range(5):
+        one_round()
+    before = _rss_bytes()
+    for _ in range(40):
+        one_round()
+    assert _rss_bytes() - before < 8 * 2**20
+
+
+def test_compiled_core_refuses_bad_settings_and_steps() -> None:
+    shard_type = require_extension()
+    for capacity, max_pods in ((0, 1), (1, 0), (-5, 3)):
+        with pytest.raises(ValueError):
+            shard_type(capacity, max_pods)
+    shard = shard_type(10, 2)
+    with pytest.raises(TypeError):
+        shard.apply_steps([(9,)], frozenset(), [0] * 9)
+    with pytest.raises(TypeError):
+        shard.apply_steps([(STORE, 0, [([1, 2], [1, 2])])], frozenset(), [0] * 9)  # not an array('Q')
+    with pytest.raises(TypeError):
+        shard.apply_steps([(STORE, 0, [([1], array("q", [1]))])], frozenset(), [0] * 9)
+    assert shard.num_keys() == 0 and shard.problems(0, 1) == []
+    # The pure core, for comparison, accepts the same settings as KVIndex does.
+    assert Shard(10, 2).low_water == shard.low_water
