@@ -12,7 +12,10 @@
  *     removals and evictions leave stale; compacted once twice the live count, as in shard.py).
  *
  * About 40 bytes per (pod, block) pair for single-holder keys, against ~100 for the dicts of shard.py.
- * Every method runs with the GIL held and the facade's shard lock taken (indexer/index.py).
+ * Every method runs with the facade's shard lock taken (indexer/index.py), which is what keeps other
+ * threads out: a long store drops the GIL while it works on the table (RELEASE_GIL_KEYS), so code on that
+ * path touches no Python object and raises nothing. It records a failure (`failure`) and defers the
+ * references it drops (`garbage`) to the end of the call, which raises and releases them with the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,6 +28,10 @@
 #define NIL UINT32_MAX
 /* shard.py's MAX_COPIES: a pair's copies are counted up to this. */
 #define MAX_COPIES 256
+/* A store step of at least this many keys runs without the GIL (decoding and the event loop go on on
+ * the other core); below it, dropping and re-taking the GIL costs more than it lets others do. */
+#define RELEASE_GIL_KEYS 64
+enum { FAILED_NOTHING = 0, FAILED_NO_MEMORY = 1, FAILED_TOO_MANY_KEYS = 2 };
 /* The step kinds and counter indices of indexer/shard.py (STORE .. CLEAR, _STORED .. _RELEASED). */
 enum { STEP_STORE = 0, STEP_REMOVE = 1, STEP_CHECK_PARENT = 2, STEP_CLEAR = 3 };
 enum {
@@ -84,6 +91,11 @@ typedef struct {
     int64_t *live;
     Log *logs;
     uint32_t entries_cap;
+    /* references dropped while the GIL may be released, released at the end of the call */
+    PyObject **garbage;
+    size_t garbage_len;
+    size_t garbage_cap;
+    int failure; /* FAILED_*: what went wrong on a path that may run without the GIL */
     /* caps */
     Py_ssize_t capacity;
     Py_ssize_t low_water;
@@ -131,6 +143,37 @@ find_node(const ShardObject *self, uint64_t key)
     return node;
 }
 
+/* A batch's keys are known ahead: ask for the slot of the key PREFETCH_AHEAD places on, and for the node
+ * of the one half as far on (its slot has arrived by then), so the table's cache misses overlap instead
+ * of stalling one key at a time (the index outgrows the caches at a few hundred thousand keys). */
+#define PREFETCH_AHEAD 8
+
+static inline void
+prefetch_slot(const ShardObject *self, uint64_t key)
+{
+    __builtin_prefetch(&self->slots[home_of(self, key)]);
+}
+
+static inline void
+prefetch_node(const ShardObject *self, uint64_t key)
+{
+    uint32_t slot = self->slots[home_of(self, key)];
+    if (slot) {
+        __builtin_prefetch(&self->nodes[slot - 1]);
+    }
+}
+
+static inline void
+prefetch_ahead(const ShardObject *self, const uint64_t *keys, Py_ssize_t i, Py_ssize_t count)
+{
+    if (i + PREFETCH_AHEAD < count) {
+        prefetch_slot(self, keys[i + PREFETCH_AHEAD]);
+    }
+    if (i + PREFETCH_AHEAD / 2 < count) {
+        prefetch_node(self, keys[i + PREFETCH_AHEAD / 2]);
+    }
+}
+
 static int
 table_resize(ShardObject *self, int bits)
 {
@@ -139,19 +182,24 @@ table_resize(ShardObject *self, int bits)
     uint32_t *old = self->slots;
     uint64_t old_size = old ? self->mask + 1 : 0;
     if (slots == NULL) {
-        PyErr_NoMemory();
+        self->failure = FAILED_NO_MEMORY;
         return -1;
     }
     self->slots = slots;
     self->mask = size - 1;
     self->shift = 64 - bits;
-    for (uint64_t j = 0; j < old_size; j++) {
-        if (old[j]) {
-            uint64_t i = home_of(self, self->nodes[old[j] - 1].key);
+    /* Rehashed in node order (a sequential read; free nodes have holder 0), not slot order, which would
+     * read the nodes at random. */
+    for (uint32_t n = 0; old_size && n < self->nodes_len; n++) {
+        if (n + PREFETCH_AHEAD < self->nodes_len) {
+            prefetch_slot(self, self->nodes[n + PREFETCH_AHEAD].key);
+        }
+        if (self->nodes[n].holder) {
+            uint64_t i = home_of(self, self->nodes[n].key);
             while (slots[i]) {
                 i = (i + 1) & self->mask;
             }
-            slots[i] = old[j];
+            slots[i] = n + 1;
         }
     }
     free(old);
@@ -237,12 +285,12 @@ key_insert(ShardObject *self, uint64_t key, uint64_t slot, uintptr_t holder)
             uint32_t cap = self->nodes_cap ? self->nodes_cap * 2 : 64;
             Node *nodes;
             if (self->nodes_cap >= (NIL - 1) / 2) {
-                PyErr_SetString(PyExc_OverflowError, "shard holds too many keys");
+                self->failure = FAILED_TOO_MANY_KEYS;
                 return -1;
             }
             nodes = realloc(self->nodes, (size_t)cap * sizeof(Node));
             if (nodes == NULL) {
-                PyErr_NoMemory();
+                self->failure = FAILED_NO_MEMORY;
                 return -1;
             }
             self->nodes = nodes;
@@ -258,10 +306,51 @@ key_insert(ShardObject *self, uint64_t key, uint64_t slot, uintptr_t holder)
     return 0;
 }
 
+/* Drop a reference later, with the GIL (see the top of the file). */
 static void
-multi_free(Multi *multi)
+drop_later(ShardObject *self, PyObject *object)
 {
-    Py_XDECREF(multi->ids);
+    if (self->garbage_len == self->garbage_cap) {
+        size_t cap = self->garbage_cap ? self->garbage_cap * 2 : 64;
+        PyObject **grown = realloc(self->garbage, cap * sizeof(PyObject *));
+        if (grown == NULL) {
+            self->failure = FAILED_NO_MEMORY; /* and the object leaks: nothing else can be done here */
+            return;
+        }
+        self->garbage = grown;
+        self->garbage_cap = cap;
+    }
+    self->garbage[self->garbage_len++] = object;
+}
+
+/* With the GIL: release what drop_later kept, and raise what a GIL-free path recorded (-1 if so). */
+static int
+settle(ShardObject *self)
+{
+    size_t len = self->garbage_len;
+    self->garbage_len = 0;
+    for (size_t i = 0; i < len; i++) {
+        Py_DECREF(self->garbage[i]);
+    }
+    if (self->failure == FAILED_NOTHING) {
+        return 0;
+    }
+    if (self->failure == FAILED_TOO_MANY_KEYS) {
+        PyErr_SetString(PyExc_OverflowError, "shard holds too many keys");
+    }
+    else if (!PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    self->failure = FAILED_NOTHING;
+    return -1;
+}
+
+static void
+multi_free(ShardObject *self, Multi *multi)
+{
+    if (multi->ids != NULL) {
+        drop_later(self, multi->ids);
+    }
     free(multi);
 }
 
@@ -288,11 +377,11 @@ key_erase_node(ShardObject *self, uint32_t n)
 /* ---- holder arrays ---- */
 
 static Multi *
-multi_new(uint32_t cap)
+multi_new(ShardObject *self, uint32_t cap)
 {
     Multi *multi = malloc(sizeof(Multi) + (size_t)cap * sizeof(Item));
     if (multi == NULL) {
-        PyErr_NoMemory();
+        self->failure = FAILED_NO_MEMORY;
         return NULL;
     }
     multi->len = 0;
@@ -303,7 +392,7 @@ multi_new(uint32_t cap)
 
 /* Room for one more item; the array may move (*slot is updated). */
 static int
-multi_reserve(uintptr_t *slot)
+multi_reserve(ShardObject *self, uintptr_t *slot)
 {
     Multi *multi = MULTI(*slot);
     if (multi->len < multi->cap) {
@@ -312,7 +401,7 @@ multi_reserve(uintptr_t *slot)
     uint32_t cap = multi->cap * 2;
     Multi *grown = realloc(multi, sizeof(Multi) + (size_t)cap * sizeof(Item));
     if (grown == NULL) {
-        PyErr_NoMemory();
+        self->failure = FAILED_NO_MEMORY;
         return -1;
     }
     grown->cap = cap;
@@ -338,10 +427,14 @@ multi_delete(Multi *multi, uint32_t i)
     multi->len--;
 }
 
+/* A write to the key: its cached lookup answer goes. */
 static inline void
-multi_touch(Multi *multi)
+multi_touch(ShardObject *self, Multi *multi)
 {
-    Py_CLEAR(multi->ids);
+    if (multi->ids != NULL) {
+        drop_later(self, multi->ids);
+        multi->ids = NULL;
+    }
 }
 
 /* shard.py's _fold: after a pair lost copies, one entry with one copy goes back to the tagged word. */
@@ -353,13 +446,13 @@ fold(ShardObject *self, uint32_t n)
         return;
     }
     if (multi->len == 0) {
-        multi_free(multi);
+        multi_free(self, multi);
         key_erase_node(self, n);
         return;
     }
     if (multi->items[0].copies == 1) {
         self->nodes[n].holder = SINGLE(multi->items[0].entry);
-        multi_free(multi);
+        multi_free(self, multi);
     }
 }
 
@@ -504,7 +597,7 @@ store_key(ShardObject *self, uint32_t entry, uint64_t key, Py_ssize_t *counts, i
     uintptr_t holder = node->holder;
     if (!IS_SINGLE(holder)) {
         Multi *multi = MULTI(holder);
-        multi_touch(multi);
+        multi_touch(self, multi);
         int i = multi_find(multi, entry);
         if (i >= 0) {
             /* One more copy, and the entry becomes the newest in this key's LRU. */
@@ -516,7 +609,7 @@ store_key(ShardObject *self, uint32_t entry, uint64_t key, Py_ssize_t *counts, i
             counts[C_REFRESHED]++;
             return 0;
         }
-        if (multi_reserve(&node->holder) < 0) {
+        if (multi_reserve(self, &node->holder) < 0) {
             return -1;
         }
         multi = MULTI(node->holder);
@@ -530,14 +623,14 @@ store_key(ShardObject *self, uint32_t entry, uint64_t key, Py_ssize_t *counts, i
             counts[C_EVICTED_ENTRIES]++;
             if (multi->len == 1) { /* max_pods_per_key == 1 and a single new copy */
                 node->holder = SINGLE(entry);
-                multi_free(multi);
+                multi_free(self, multi);
             }
         }
         return 0;
     }
     uint32_t held = SINGLE_ENTRY(holder);
     if (held == entry) {
-        Multi *multi = multi_new(2);
+        Multi *multi = multi_new(self, 2);
         if (multi == NULL) {
             return -1;
         }
@@ -554,7 +647,7 @@ store_key(ShardObject *self, uint32_t entry, uint64_t key, Py_ssize_t *counts, i
         counts[C_EVICTED_ENTRIES]++;
     }
     else {
-        Multi *multi = multi_new(2);
+        Multi *multi = multi_new(self, 2);
         if (multi == NULL) {
             return -1;
         }
@@ -586,11 +679,28 @@ evict_oldest_keys(ShardObject *self, Py_ssize_t *counts)
                 self->live[multi->items[i].entry]--;
             }
             counts[C_EVICTED_ENTRIES] += multi->len;
-            multi_free(multi);
+            multi_free(self, multi);
         }
         key_erase_node(self, n);
         counts[C_EVICTED_KEYS]++;
     }
+}
+
+/* A group's keys, one by one; may run without the GIL. */
+static int
+store_keys(ShardObject *self, uint32_t entry, const uint64_t *keys, Py_ssize_t num_keys, Py_ssize_t *counts,
+           int64_t *stored)
+{
+    for (Py_ssize_t i = 0; i < PREFETCH_AHEAD && i < num_keys; i++) {
+        prefetch_slot(self, keys[i]);
+    }
+    for (Py_ssize_t i = 0; i < num_keys; i++) {
+        prefetch_ahead(self, keys, i, num_keys);
+        if (store_key(self, entry, keys[i], counts, stored) < 0) {
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* A step's store: each group's keys in order (consecutive events of one entry, merged by the facade). */
@@ -604,6 +714,9 @@ store_step(ShardObject *self, uint32_t entry, PyObject *groups, Py_ssize_t *coun
         return -1;
     }
     Log *log = &self->logs[entry];
+    uint32_t start = log->len;
+    /* Logged whole, group after group (keys this entry already holds just leave a duplicate for
+     * compaction): the step's keys are then one run at the log's end, stored from there. */
     for (Py_ssize_t g = 0; g < PySequence_Fast_GET_SIZE(fast) && status == 0; g++) {
         PyObject *group = PySequence_Fast_GET_ITEM(fast, g);
         Py_buffer view;
@@ -618,23 +731,33 @@ store_step(ShardObject *self, uint32_t entry, PyObject *groups, Py_ssize_t *coun
         }
         if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) {
             PyErr_SetString(PyExc_TypeError, "a key group's keys must be an array('Q')");
-            PyBuffer_Release(&view);
             status = -1;
-            break;
         }
-        const uint64_t *keys = view.buf;
-        Py_ssize_t num_keys = view.len / 8;
-        /* Logged whole: keys this entry already holds just leave a duplicate for compaction. */
-        status = log_extend(log, keys, num_keys);
-        for (Py_ssize_t i = 0; i < num_keys && status == 0; i++) {
-            status = store_key(self, entry, keys[i], counts, &stored);
+        else {
+            status = log_extend(log, view.buf, view.len / 8);
         }
         PyBuffer_Release(&view);
+    }
+    if (status < 0) {
+        log->len = start; /* nothing of this step was stored */
+    }
+    else if (log->len - start >= RELEASE_GIL_KEYS) {
+        Py_BEGIN_ALLOW_THREADS
+        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
+        Py_END_ALLOW_THREADS
+    }
+    else if (log->len > start) {
+        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
     }
     Py_DECREF(fast);
     self->live[entry] += stored;
     counts[C_STORED] += stored;
-    if ((Py_ssize_t)self->count > self->capacity) {
+    if ((Py_ssize_t)self->count - self->low_water >= RELEASE_GIL_KEYS && self->count > self->capacity) {
+        Py_BEGIN_ALLOW_THREADS
+        evict_oldest_keys(self, counts);
+        Py_END_ALLOW_THREADS
+    }
+    else if ((Py_ssize_t)self->count > self->capacity) {
         evict_oldest_keys(self, counts);
     }
     if (log->keys != NULL && (int64_t)log->len > 2 * self->live[entry] + 64) {
@@ -677,7 +800,7 @@ remove_step(ShardObject *self, uint32_t entry, PyObject *keys, Py_ssize_t *count
         if (at < 0) {
             continue;
         }
-        multi_touch(multi);
+        multi_touch(self, multi);
         if (multi->items[at].copies > 1) {
             multi->items[at].copies--;
             released++;
@@ -760,7 +883,7 @@ clear_entry(ShardObject *self, uint32_t entry)
         Multi *multi = MULTI(holder);
         int at = multi_find(multi, entry);
         if (at >= 0) {
-            multi_touch(multi);
+            multi_touch(self, multi);
             multi_delete(multi, (uint32_t)at);
             cleared++;
             fold(self, n);
@@ -811,7 +934,10 @@ static PyObject *
 Shard_clear_entries(ShardObject *self, PyObject *entry_ids)
 {
     Py_ssize_t cleared = clear_entries(self, entry_ids);
-    return cleared < 0 ? NULL : PyLong_FromSsize_t(cleared);
+    if (settle(self) < 0 || cleared < 0) {
+        return NULL;
+    }
+    return PyLong_FromSsize_t(cleared);
 }
 
 /* Add the batch's counts into the caller's counter list (ApplyStats' field order). */
@@ -897,6 +1023,9 @@ Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(fast);
+    if (settle(self) < 0) {
+        status = -1;
+    }
     /* Counted even when a step failed part-way (it can only be memory exhaustion): the index changed. */
     if (add_counts(args[2], counts) < 0 || status < 0) {
         return NULL;
@@ -944,20 +1073,27 @@ multi_ids(Multi *multi, PyObject *last)
     return ids;
 }
 
+/* A key of a lookup as a 64-bit key: 1, or 0 for an object this index cannot hold (a dict lookup in
+ * shard.py just misses it), or -1 on another error. */
+static int
+as_lookup_key(PyObject *key_object, uint64_t *key)
+{
+    *key = PyLong_AsUnsignedLongLong(key_object);
+    if (*key == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
 /* The ids holding `key` (borrowed), NULL with no error set when nobody does, NULL with an error on
  * failure. *last is the previous multi holder's answer, updated when this one is a multi holder too. */
 static PyObject *
-ids_of(ShardObject *self, PyObject *key_object, PyObject *single_ids, PyObject **last)
+ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
 {
-    uint64_t key = PyLong_AsUnsignedLongLong(key_object);
-    if (key == (uint64_t)-1 && PyErr_Occurred()) {
-        /* Not a key this index can hold (a dict lookup in shard.py just misses). */
-        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            return NULL;
-        }
-        PyErr_Clear();
-        return NULL;
-    }
     uint32_t n = find_node(self, key);
     if (n == NIL) {
         return NULL;
@@ -978,6 +1114,9 @@ ids_of(ShardObject *self, PyObject *key_object, PyObject *single_ids, PyObject *
     return ids;
 }
 
+/* Keys are read LOOKUP_CHUNK at a time, their slots and nodes prefetched, then resolved in order. */
+#define LOOKUP_CHUNK 16
+
 static PyObject *
 Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -987,21 +1126,45 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *fast = PySequence_Fast(args[0], "block keys must be a sequence");
     PyObject *last = NULL;
+    uint64_t keys[LOOKUP_CHUNK];
     if (fast == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        PyObject *ids = ids_of(self, PySequence_Fast_GET_ITEM(fast, i), args[1], &last);
-        if (ids == NULL) {
-            if (PyErr_Occurred()) {
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t base = 0; base < size; base += LOOKUP_CHUNK) {
+        Py_ssize_t chunk = size - base < LOOKUP_CHUNK ? size - base : LOOKUP_CHUNK;
+        Py_ssize_t valid = 0;
+        while (valid < chunk) {
+            int readable = as_lookup_key(PySequence_Fast_GET_ITEM(fast, base + valid), &keys[valid]);
+            if (readable < 0) {
                 Py_DECREF(fast);
                 return NULL;
             }
-            break;
+            if (!readable) {
+                break; /* the lookup stops here: nobody holds it */
+            }
+            prefetch_slot(self, keys[valid]);
+            valid++;
         }
-        if (PyList_Append(args[2], ids) < 0) {
-            Py_DECREF(fast);
-            return NULL;
+        for (Py_ssize_t j = 0; j < valid; j++) {
+            prefetch_node(self, keys[j]);
+        }
+        for (Py_ssize_t j = 0; j < valid; j++) {
+            PyObject *ids = ids_of(self, keys[j], args[1], &last);
+            if (ids == NULL) {
+                Py_DECREF(fast);
+                if (PyErr_Occurred()) {
+                    return NULL;
+                }
+                Py_RETURN_NONE;
+            }
+            if (PyList_Append(args[2], ids) < 0) {
+                Py_DECREF(fast);
+                return NULL;
+            }
+        }
+        if (valid < chunk) {
+            break;
         }
     }
     Py_DECREF(fast);
@@ -1016,7 +1179,15 @@ Shard_ids_of(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *last = NULL;
-    PyObject *ids = ids_of(self, args[0], args[1], &last);
+    uint64_t key;
+    int readable = as_lookup_key(args[0], &key);
+    if (readable <= 0) {
+        if (readable < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *ids = ids_of(self, key, args[1], &last);
     if (ids == NULL) {
         if (PyErr_Occurred()) {
             return NULL;
@@ -1277,7 +1448,8 @@ Shard_init(ShardObject *self, PyObject *args, PyObject *kwargs)
     self->low_water = capacity - capacity / 64;
     self->max_pods_per_key = max_pods_per_key;
     self->head = self->tail = self->free_head = NIL;
-    return table_resize(self, 6);
+    table_resize(self, 6);
+    return settle(self);
 }
 
 static void
@@ -1285,12 +1457,15 @@ Shard_dealloc(ShardObject *self)
 {
     for (uint32_t n = self->head; self->nodes != NULL && n != NIL; n = self->nodes[n].next) {
         if (!IS_SINGLE(self->nodes[n].holder)) {
-            multi_free(MULTI(self->nodes[n].holder));
+            multi_free(self, MULTI(self->nodes[n].holder));
         }
     }
     for (uint32_t e = 0; e < self->entries_cap; e++) {
         free(self->logs[e].keys);
     }
+    self->failure = FAILED_NOTHING; /* settle only releases here: nothing may be raised from a dealloc */
+    settle(self);
+    free(self->garbage);
     free(self->logs);
     free(self->live);
     free(self->nodes);

@@ -329,21 +329,35 @@ class KVIndex:
 
     # -- stats (O(entries of the index's pods x shards), not O(blocks)) ------------------------------
 
+    # NOTE: each read takes the shard's lock: the compiled core stores long batches without the GIL.
+
     def num_keys(self) -> int:
-        return sum(shard.num_keys() for shard in self._shards)
+        total = 0
+        for shard, lock in zip(self._shards, self._locks, strict=True):
+            with lock:
+                total += shard.num_keys()
+        return total
 
     def num_entries(self) -> int:
         """(block, pod entry) pairs held, counting a block once per pod and tier (not per copy)."""
-        return sum(shard.live_total() for shard in self._shards)
+        total = 0
+        for shard, lock in zip(self._shards, self._locks, strict=True):
+            with lock:
+                total += shard.live_total()
+        return total
 
     def pod_block_count(self, pod: PodRef, tier: str | None = None) -> int:
         """Blocks one pod holds, counted once per tier (or on `tier` only), not per copy."""
+        entry_ids = [
+            entry_id
+            for entry_id in self._pod_entry_ids.get(pod, ())
+            if tier is None or self._entries[entry_id][1] == tier
+        ]
         total = 0
-        for entry_id in self._pod_entry_ids.get(pod, ()):
-            if tier is not None and self._entries[entry_id][1] != tier:
-                continue
-            for shard in self._shards:
-                total += shard.live_of(entry_id)
+        for shard, lock in zip(self._shards, self._locks, strict=True):
+            with lock:
+                for entry_id in entry_ids:
+                    total += shard.live_of(entry_id)
         return total
 
     def has_pod_id(self, pod_id: str) -> bool:

@@ -127,3 +127,64 @@ def test_tiny_capacities_under_contention_stay_consistent() -> None:
     assert errors == []
     assert index.check_consistency() == []
     assert index.num_keys() <= 64
+
+
+def test_long_stores_stay_atomic_to_readers_of_every_kind() -> None:
+    """Events long enough that the compiled core stores them without the GIL, on keys that keep growing
+    its table: every reader (lookups, scores, counts) must see each event whole or not at all."""
+    index = KVIndex(num_shards=1, max_keys=1_000_000, max_pods_per_key=64)
+    pods = [PodRef("long-a"), PodRef("long-b")]
+    chain_length = 2048
+    chains = {pod: [] for pod in pods}  # type: dict[PodRef, list[list[int]]]
+    done = threading.Event()
+    torn: list[str] = []
+
+    def long_writer(pod: PodRef, seed: int) -> Callable[[], None]:
+        def run() -> None:
+            for n in range(60):
+                chain = [(seed << 40) + n * chain_length + i for i in range(chain_length)]
+                index.apply(pod, [BlocksStored(tuple(chain), None, (), 16)])
+                chains[pod].append(chain)
+                if n % 20 == 19:
+                    index.apply(pod, [AllBlocksCleared()])
+            done.set()
+
+        return run
+
+    def lookup_reader() -> None:
+        while not done.is_set():
+            for pod in pods:
+                if chains[pod]:
+                    chain = chains[pod][-1]
+                    found = len(index.lookup(chain))
+                    if found not in (0, chain_length):
+                        torn.append(f"{pod}: {found} of a {chain_length}-block event")
+                    scores = score_prefix(index, chain, block_size=16)
+                    if scores and scores[0].matched_blocks != chain_length:
+                        torn.append(f"{pod}: a score of {scores[0].matched_blocks} blocks")
+
+    def count_reader(count: Callable[[], int]) -> Callable[[], None]:
+        # One count in a loop, so that one (unless it waits on the index's lock) lands while a store
+        # runs without the GIL.
+        def run() -> None:
+            while not done.is_set():
+                if count() % chain_length:
+                    torn.append(f"{count}: {count()}, not whole events")
+
+        return run
+
+    counts: list[Callable[[], int]] = [
+        index.num_keys,
+        index.num_entries,
+        lambda: index.pod_block_count(pods[0]),
+        lambda: sum(index.pod_block_count(pod) for pod in index.pods()),
+    ]
+
+    errors = run_threads(
+        [long_writer(pod, seed) for seed, pod in enumerate(pods)]
+        + [lookup_reader]
+        + [count_reader(count) for count in counts]
+    )
+    assert errors == []
+    assert torn == []
+    assert index.check_consistency() == []
