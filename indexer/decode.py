@@ -179,6 +179,12 @@ def _decode_raw_batch(payload: bytes) -> wire.RawArrayBatch | wire.RawMapBatch:
         raise DecodeError(REASON_TOO_DEEP, "nested deeper than the decoder's recursion limit") from None
 
 
+def raw_events(payload: bytes) -> list[msgspec.Raw]:
+    """A batch's events left undecoded, in order (to read one of them again in full with
+    `decode_event`); raises DecodeError when the batch itself is unreadable."""
+    return _decode_raw_batch(payload).events
+
+
 def _decode_event_by_event(payload: bytes) -> DecodedBatch:
     raw_batch = _decode_raw_batch(payload)
     events: list[KVEvent] = []
