@@ -43,7 +43,7 @@ def test_quick_run_prints_every_table_and_the_summary(tmp_path: Path) -> None:
         "== summary:",
     ):
         assert heading in out, heading
-    for target in ("ingest blocks/s vs Dynamo", "memory per pair vs Dynamo", "hashing sha256 hot"):
+    for target in ("ingest blocks/s, main workload", "memory per pair, main workload", "hashing sha256 hot"):
         assert target in out
     assert "WRONG" not in out, out  # every timed answer matched the brute-force overlaps
     report = json.loads(results_path.read_text())
