@@ -1,4 +1,5 @@
-"""The optional compiled cores (kvindex.hashing._chain, kvindex.indexer._shard); the rest is in pyproject.toml.
+"""The optional compiled cores (kvindex.hashing._chain, kvindex.indexer._shard and ._payload); the rest is in
+pyproject.toml.
 
 The hash core is built when a C compiler and OpenSSL's headers (Debian: libssl-dev) are present, the index
 core when a C compiler is. Without them the install still succeeds, with a one-line warning per core, and
@@ -49,6 +50,7 @@ setup(
             extra_compile_args=["-O2"],
         ),
         Extension("kvindex.indexer._shard", sources=["indexer/_shard.c"], extra_compile_args=["-O2"]),
+        Extension("kvindex.indexer._payload", sources=["indexer/_payload.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

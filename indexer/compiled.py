@@ -1,9 +1,12 @@
-"""Which core runs the index's shards: compiled or pure Python.
+"""Which core runs the index's shards and reads batches on the hot path: compiled or pure Python.
 
-The compiled core (kvindex.indexer._shard, indexer/_shard.c) is built by `pip install` when a C compiler
-is present; it keeps the same two LRU levels, copy counts and reverse logs as indexer/shard.py in ~40
-bytes per pair instead of ~100. shard.py's `Shard` is the reference, and runs when the extension is absent
-or KVINDEX_PURE_PYTHON=1 was set at import (the switch the hash core reads too).
+The compiled cores are built by `pip install` when a C compiler is present:
+- kvindex.indexer._shard (indexer/_shard.c) keeps the same two LRU levels, copy counts and reverse logs
+  as indexer/shard.py in ~40 bytes per pair instead of ~100; shard.py's `Shard` is the reference;
+- kvindex.indexer._payload (indexer/_payload.c) copies a batch without its token ids, off the GIL, for
+  decode's hot path; without it the original is decoded (the same events).
+Both give way to pure Python when their extension is absent or KVINDEX_PURE_PYTHON=1 was set at import
+(the switch the hash core reads too).
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ def load_extension() -> ShardFactory | None:
 # NOTE: read when a KVIndex is made (never per call), so a test can run both cores in one process by
 # setting this; everything else treats it as a constant.
 shard_type: ShardFactory = Shard if pure_python_forced() else (load_extension() or Shard)
+
+
+def load_payload_extension() -> Callable[[bytes], bytes | None] | None:
+    """kvindex.indexer._payload's without_token_ids if it was built, whatever KVINDEX_PURE_PYTHON says."""
+    try:
+        from kvindex.indexer import _payload
+    except ImportError:
+        return None
+    return _payload.without_token_ids
+
+
+# A batch without its token ids, or None (decode the original); read per call by decode.py.
+without_token_ids: Callable[[bytes], bytes | None] | None = (
+    None if pure_python_forced() else load_payload_extension()
+)
 
 
 def describe() -> str:
