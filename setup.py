@@ -49,7 +49,12 @@ setup(
             libraries=["crypto"],
             extra_compile_args=["-O2"],
         ),
-        Extension("kvindex.indexer._shard", sources=["indexer/_shard.c"], extra_compile_args=["-O2"]),
+        Extension(
+            "kvindex.indexer._shard",
+            sources=["indexer/_shard.c"],
+            depends=["indexer/shard_table.h"],
+            extra_compile_args=["-O2"],
+        ),
         Extension("kvindex.indexer._payload", sources=["indexer/_payload.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -193,6 +193,10 @@ def test_compiled_core_refuses_bad_settings_and_steps() -> None:
         shard.apply_steps([(STORE, 0, [([1, 2], [1, 2])])], frozenset(), [0] * 9)  # not an array('Q')
     with pytest.raises(TypeError):
         shard.apply_steps([(STORE, 0, [([1], array("q", [1]))])], frozenset(), [0] * 9)
+    with pytest.raises(OverflowError, match="entry id out of range"):
+        shard.apply_steps([(STORE, 2**31, [([1], array("Q", [1]))])], frozenset(), [0] * 9)
+    with pytest.raises(OverflowError, match="entry id out of range"):
+        shard.clear_entries([2**40])
     assert shard.num_keys() == 0 and shard.problems(0, 1) == []
     # The pure core, for comparison, accepts the same settings as KVIndex does.
     assert Shard(10, 2).low_water == shard.low_water
