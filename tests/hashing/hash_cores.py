@@ -3,22 +3,16 @@ the token ids at every serialisation width boundary the hashing tests share."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
+from extensions import require_built
 from kvindex.hashing import compiled
 from kvindex.hashing.compiled import ChainCore
 
 
 def require_extension() -> ChainCore:
     """The compiled core; the test skips without it, and fails under CI=true, which must test both."""
-    core = compiled.load_extension()
-    if core is None:
-        message = "kvindex.hashing._chain was not built (needs a C compiler and OpenSSL headers: libssl-dev)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must test the compiled core too")
-        pytest.skip(message)
-    return core
+    return require_built(
+        compiled.load_extension(), "kvindex.hashing._chain", "a C compiler and OpenSSL headers: libssl-dev"
+    )
 
 
 # Every width boundary of pickle's BININT1/BININT2/BININT/LONG1 and of CBOR's heads, both sides, below

@@ -3,13 +3,15 @@ a failure under CI=true) and shard.py's pure-Python reference, and a way to buil
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
+from extensions import require_built
+from hypothesis import strategies as st
 from kvindex.indexer import compiled
 from kvindex.indexer.compiled import ShardFactory
+from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.shard import Shard
 
@@ -18,13 +20,12 @@ CORES = ("compiled", "pure")
 
 def require_extension() -> ShardFactory:
     """The compiled shard type; the test skips without it, and fails under CI=true, which tests both."""
-    shard_type = compiled.load_extension()
-    if shard_type is None:
-        message = "kvindex.indexer._shard was not built (needs a C compiler)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must test the compiled index core too")
-        pytest.skip(message)
-    return shard_type
+    return require_built(compiled.load_extension(), "kvindex.indexer._shard", "a C compiler")
+
+
+def require_payload_extension() -> Callable[..., bytes | None]:
+    """The compiled batch reader's without_token_ids (skipped or failed like require_extension)."""
+    return require_built(compiled.load_payload_extension(), "kvindex.indexer._payload", "a C compiler")
 
 
 def shard_type_of(core: str) -> ShardFactory:
@@ -44,3 +45,28 @@ def make_index(
 ) -> KVIndex:
     with using_core(core):
         return KVIndex(num_shards=num_shards, max_keys=max_keys, max_pods_per_key=max_pods_per_key)
+
+
+def kv_events(
+    keys: st.SearchStrategy[int], tiers: Sequence[str], *, max_keys: int = 5, max_events: int = 4
+) -> st.SearchStrategy[list[KVEvent]]:
+    """Batches of BlocksStored (with or without a parent), BlocksRemoved and AllBlocksCleared over `keys`."""
+    return st.lists(
+        st.one_of(
+            st.builds(
+                BlocksStored,
+                block_keys=st.lists(keys, max_size=max_keys).map(tuple),
+                parent_key=st.none() | keys,
+                token_ids=st.just(()),
+                block_size=st.just(16),
+                tier=st.sampled_from(tiers),
+            ),
+            st.builds(
+                BlocksRemoved,
+                block_keys=st.lists(keys, max_size=max_keys).map(tuple),
+                tier=st.sampled_from(tiers),
+            ),
+            st.just(AllBlocksCleared()),
+        ),
+        max_size=max_events,
+    )

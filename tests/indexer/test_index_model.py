@@ -16,7 +16,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from index_cores import CORES, make_index
+from index_cores import CORES, kv_events, make_index
 from kvindex.indexer.events import (
     TIER_CPU,
     TIER_GPU,
@@ -35,23 +35,7 @@ PODS = [PodRef("a"), PodRef("a", 1), PodRef("b")]
 TIERS = [TIER_GPU, TIER_CPU]
 KEYS = st.integers(0, 23)
 
-events_strategy = st.lists(
-    st.one_of(
-        st.builds(
-            BlocksStored,
-            block_keys=st.lists(KEYS, max_size=5).map(tuple),
-            parent_key=st.none() | KEYS,
-            token_ids=st.just(()),
-            block_size=st.just(16),
-            tier=st.sampled_from(TIERS),
-        ),
-        st.builds(
-            BlocksRemoved, block_keys=st.lists(KEYS, max_size=5).map(tuple), tier=st.sampled_from(TIERS)
-        ),
-        st.just(AllBlocksCleared()),
-    ),
-    max_size=4,
-)
+events_strategy = kv_events(KEYS, TIERS)
 
 Model = dict[int, dict[tuple[PodRef, str], int]]
 

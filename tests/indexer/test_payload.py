@@ -4,14 +4,15 @@ is not a batch it can read is left to the original (None), never misread and nev
 
 from __future__ import annotations
 
-import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from index_cores import require_payload_extension
 from kvindex.indexer import compiled
 from kvindex.indexer.decode import DecodeError, decode_batch
 from replay_support import load_vectors
@@ -20,17 +21,11 @@ from benchmarks.workload import WorkloadSpec, build_workload, encode_engine
 
 pytestmark = pytest.mark.timeout(120)
 
-WithoutTokenIds = Any  # the extension's function
+WithoutTokenIds = Callable[..., bytes | None]  # the extension's function
 
 
 def require_extension() -> WithoutTokenIds:
-    without = compiled.load_payload_extension()
-    if without is None:
-        message = "kvindex.indexer._payload was not built (needs a C compiler)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must test the compiled batch reader too")
-        pytest.skip(message)
-    return without
+    return require_payload_extension()
 
 
 def expected(payload: bytes) -> Any:

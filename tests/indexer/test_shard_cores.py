@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from index_cores import make_index, require_extension
+from index_cores import kv_events, make_index, require_extension
 from kvindex.indexer.events import (
     TIER_CPU,
     TIER_GPU,
@@ -33,23 +33,7 @@ TIERS = [TIER_GPU, TIER_CPU]
 # table with the top bit set and the widest value.
 KEYS = st.one_of(st.integers(0, 30), st.sampled_from([2**63, 2**63 + 1, 2**64 - 1, 2**32, 12345678901234567]))
 
-events_strategy = st.lists(
-    st.one_of(
-        st.builds(
-            BlocksStored,
-            block_keys=st.lists(KEYS, max_size=8).map(tuple),
-            parent_key=st.none() | KEYS,
-            token_ids=st.just(()),
-            block_size=st.just(16),
-            tier=st.sampled_from(TIERS),
-        ),
-        st.builds(
-            BlocksRemoved, block_keys=st.lists(KEYS, max_size=6).map(tuple), tier=st.sampled_from(TIERS)
-        ),
-        st.just(AllBlocksCleared()),
-    ),
-    max_size=6,
-)
+events_strategy = kv_events(KEYS, TIERS, max_keys=8, max_events=6)
 
 # (num_shards, max_keys, max_pods_per_key): evictions at both levels, one pod per key, several shards.
 CONFIGS = [(1, 6, 2), (1, 5, 1), (3, 12, 3), (2, 4, 1), (1, 10_000, 256), (4, 64, 2)]
