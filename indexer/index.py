@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import msgspec
 from kvindex.indexer import compiled
@@ -329,22 +329,21 @@ class KVIndex:
 
     # -- stats (O(entries of the index's pods x shards), not O(blocks)) ------------------------------
 
-    # NOTE: each read takes the shard's lock: the compiled core stores long batches without the GIL.
-
-    def num_keys(self) -> int:
+    def _sum_shards(self, count: Callable[[ShardCore], int]) -> int:
+        # NOTE: each read takes the shard's lock: a compiled store of a long batch runs without the GIL,
+        # and a pure one is not a single GIL step either, so an unlocked count could see half a batch.
         total = 0
         for shard, lock in zip(self._shards, self._locks, strict=True):
             with lock:
-                total += shard.num_keys()
+                total += count(shard)
         return total
+
+    def num_keys(self) -> int:
+        return self._sum_shards(lambda shard: shard.num_keys())
 
     def num_entries(self) -> int:
         """(block, pod entry) pairs held, counting a block once per pod and tier (not per copy)."""
-        total = 0
-        for shard, lock in zip(self._shards, self._locks, strict=True):
-            with lock:
-                total += shard.live_total()
-        return total
+        return self._sum_shards(lambda shard: shard.live_total())
 
     def pod_block_count(self, pod: PodRef, tier: str | None = None) -> int:
         """Blocks one pod holds, counted once per tier (or on `tier` only), not per copy."""
@@ -353,12 +352,7 @@ class KVIndex:
             for entry_id in self._pod_entry_ids.get(pod, ())
             if tier is None or self._entries[entry_id][1] == tier
         ]
-        total = 0
-        for shard, lock in zip(self._shards, self._locks, strict=True):
-            with lock:
-                for entry_id in entry_ids:
-                    total += shard.live_of(entry_id)
-        return total
+        return self._sum_shards(lambda shard: sum(shard.live_of(entry_id) for entry_id in entry_ids))
 
     def has_pod_id(self, pod_id: str) -> bool:
         """True once this pod id (any dp rank or tier) has held a block here; clears do not reset it."""

@@ -22,7 +22,7 @@ HolderIds = tuple[int, ...]
 # Small dicts of ints are not tracked by the garbage collector, so the index adds no GC work.
 # NOTE: code tells them apart with `type(held) is int` and `type(held) is dict`, each narrowed by mypy (an
 # `else` after one of them stays a union); a missing key (None) fails both. isinstance narrows both ways
-# but costs more per key on these loops; the read loop (KVIndex.lookup_ids) skips the second check.
+# but costs more per key on these loops; the read loop (Shard.lookup_run) skips the second check.
 KeyHolders = int | dict[int, int]
 
 # Copies of one (key, entry) counted at most. vLLM keeps identical blocks apart (BlockHashToBlockMap does
