@@ -1,5 +1,6 @@
-/* kvindex.indexer._payload: a vLLM KV-event batch with its events' token ids taken out, for the ingest hot
- * path (indexer/decode.py), which never reads them.
+/* kvindex.indexer._payload: vLLM KV-event batches for the ingest hot path (indexer/decode.py), which never
+ * reads their token ids. `read_events` (at the end) builds kvindex's events of a default-shape batch
+ * itself; `without_token_ids` (first) copies any other batch it can without its token ids.
  *
  * Token ids are most of a batch's bytes (16 per block against one hash), and msgspec must still walk them
  * to skip them: that was the largest single cost of ingest, all of it under the GIL. `without_token_ids`
@@ -66,6 +67,10 @@ skip_items(Reader *r, uint64_t count, int depth)
             uint8_t marker = *r->p;
             if (marker <= 0x7f) {
                 r->p += 1;
+                continue;
+            }
+            if (marker == 0xcc && need(r, 2)) {
+                r->p += 2;
                 continue;
             }
             if (marker == 0xcd && need(r, 3)) {
@@ -305,11 +310,599 @@ without_token_ids(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
     return slim;
 }
 
+/* ---- read_events: the default batch shape read straight into kvindex's events -------------------------
+ *
+ * decode.py's hot path used to decode the slim copy with msgspec into vLLM-shaped structs and then build
+ * kvindex's events from them in Python: two objects and a dozen Python calls per event. For a batch of
+ * vLLM 0.33's default shape (map events tagged first; unsigned 64-bit hashes; no extra keys beyond nil
+ * entries; no lookahead tokens; every string field nil or a str; every int field nil or an int),
+ * `read_events` reads the bytes once without the GIL and then builds the events with it, exactly as
+ * convert.stored_event / removed_event would. Anything else returns None and takes the msgspec path, which
+ * also says what is wrong with a bad batch: this reader never raises on bad bytes, it only declines them.
+ */
+
+enum { INT_NIL = 0, INT_SIGNED = 1, INT_UNSIGNED = 2 };
+
+typedef struct {
+    uint8_t tag;
+    uint64_t bits;
+} IntValue;
+
+typedef struct {
+    const uint8_t *p; /* NULL: nil or absent */
+    uint32_t len;
+} StrValue;
+
+enum { KIND_STORED, KIND_REMOVED, KIND_CLEARED };
+
+typedef struct {
+    uint8_t kind;
+    size_t first_key, num_keys;
+    IntValue parent, block_size, group_idx;
+    StrValue medium, lora_name, spec_kind, locality, ownership, session_id;
+    int64_t extra_len; /* -1: nil */
+} EventFields;
+
+typedef struct {
+    uint64_t *keys;
+    size_t num_keys, cap_keys;
+    EventFields *events;
+    size_t num_events;
+    double ts;
+    IntValue rank;
+} Parsed;
+
+static int
+read_int(Reader *r, IntValue *out)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t marker = *r->p++;
+    if (marker <= 0x7f) {
+        out->tag = INT_UNSIGNED;
+        out->bits = marker;
+        return 0;
+    }
+    if (marker >= 0xe0) {
+        out->tag = INT_SIGNED;
+        out->bits = (uint64_t)(int64_t)(int8_t)marker;
+        return 0;
+    }
+    int width;
+    switch (marker) {
+    case 0xcc: case 0xd0: width = 1; break;
+    case 0xcd: case 0xd1: width = 2; break;
+    case 0xce: case 0xd2: width = 4; break;
+    case 0xcf: case 0xd3: width = 8; break;
+    default: return -1;
+    }
+    if (!need(r, (size_t)width)) {
+        return -1;
+    }
+    uint64_t bits = read_be(r->p, width);
+    r->p += width;
+    if (marker >= 0xd0) { /* int 8..64: sign-extend */
+        int shift = 64 - 8 * width;
+        out->tag = INT_SIGNED;
+        out->bits = shift ? (uint64_t)(((int64_t)(bits << shift)) >> shift) : bits;
+    }
+    else {
+        out->tag = INT_UNSIGNED;
+        out->bits = bits;
+    }
+    return 0;
+}
+
+static int
+read_int_or_nil(Reader *r, IntValue *out)
+{
+    if (need(r, 1) && *r->p == 0xc0) {
+        r->p++;
+        out->tag = INT_NIL;
+        return 0;
+    }
+    return read_int(r, out);
+}
+
+/* A block hash: any msgpack int from 0 to 2**64 - 1 (vLLM's default form). */
+static int
+read_key(Reader *r, uint64_t *key)
+{
+    IntValue value;
+    if (read_int(r, &value) < 0 || (value.tag == INT_SIGNED && (int64_t)value.bits < 0)) {
+        return -1;
+    }
+    *key = value.bits;
+    return 0;
+}
+
+static int
+read_str_or_nil(Reader *r, StrValue *out)
+{
+    if (!need(r, 1)) {
+        return -1;
+    }
+    uint8_t marker = *r->p++;
+    uint64_t length;
+    if (marker == 0xc0) {
+        out->p = NULL;
+        out->len = 0;
+        return 0;
+    }
+    if ((marker & 0xe0) == 0xa0) {
+        length = marker & 0x1f;
+    }
+    else if (marker == 0xd9 || marker == 0xda || marker == 0xdb) {
+        if (read_length(r, marker == 0xd9 ? 1 : marker == 0xda ? 2 : 4, &length) < 0) {
+            return -1;
+        }
+    }
+    else {
+        return -1;
+    }
+    if (!need(r, length)) {
+        return -1;
+    }
+    out->p = r->p;
+    out->len = (uint32_t)length;
+    r->p += length;
+    return 0;
+}
+
+/* An array header only (fixarray, array 16/32); its length is checked against the bytes left. */
+static int
+read_array(Reader *r, uint64_t *count)
+{
+    int is_map;
+    if (read_container(r, &is_map, count) < 0 || is_map || *count > (uint64_t)(r->end - r->p)) {
+        return -1;
+    }
+    return 0;
+}
+
+enum {
+    F_BLOCK_HASHES, F_PARENT, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA_KEYS,
+    F_GROUP_IDX, F_SPEC_KIND, F_SLIDING_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION_ID, F_LOOKAHEAD,
+    NUM_FIELDS
+};
+
+/* vLLM 0.33's field names (replay/wire.py), in enum order. */
+static const char *const FIELD_NAMES[NUM_FIELDS] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+    "ownership", "session_id", "lookahead_token_ids",
+};
+
+#define BIT(f) (1u << (f))
+/* The fields without defaults, and every field, of each tagged struct (wire.BlockStored, BlockRemoved). */
+static const uint32_t STORED_REQUIRED = BIT(F_BLOCK_HASHES) | BIT(F_PARENT) | BIT(F_TOKEN_IDS)
+                                        | BIT(F_BLOCK_SIZE) | BIT(F_LORA_ID) | BIT(F_MEDIUM)
+                                        | BIT(F_LORA_NAME);
+static const uint32_t STORED_FIELDS = (1u << NUM_FIELDS) - 1;
+static const uint32_t REMOVED_REQUIRED = BIT(F_BLOCK_HASHES) | BIT(F_MEDIUM);
+static const uint32_t REMOVED_FIELDS = BIT(F_BLOCK_HASHES) | BIT(F_MEDIUM) | BIT(F_GROUP_IDX)
+                                       | BIT(F_LOCALITY) | BIT(F_OWNERSHIP);
+
+/* Whether the bytes at p are `name` (a string literal: its length is known when inlined). */
+static inline int
+span_is(const uint8_t *p, uint64_t len, const char *name)
+{
+    size_t n = strlen(name);
+    return len == n && memcmp(p, name, n) == 0;
+}
+
+static size_t FIELD_LENGTHS[NUM_FIELDS];
+
+/* A map key: a fixstr naming one of the fields; -1 for anything else (an unknown field declines). */
+static int
+read_field(Reader *r)
+{
+    if (!need(r, 1) || (*r->p & 0xe0) != 0xa0) {
+        return -1;
+    }
+    uint64_t len = *r->p & 0x1f;
+    r->p++;
+    if (!need(r, len)) {
+        return -1;
+    }
+    const uint8_t *name = r->p;
+    r->p += len;
+    for (int f = 0; f < NUM_FIELDS; f++) {
+        if (len == FIELD_LENGTHS[f] && memcmp(name, FIELD_NAMES[f], len) == 0) {
+            return f;
+        }
+    }
+    return -1;
+}
+
+static int
+push_key(Parsed *out, uint64_t key)
+{
+    if (out->num_keys == out->cap_keys) {
+        size_t cap = out->cap_keys ? 2 * out->cap_keys : 256;
+        uint64_t *grown = realloc(out->keys, cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            return -1;
+        }
+        out->keys = grown;
+        out->cap_keys = cap;
+    }
+    out->keys[out->num_keys++] = key;
+    return 0;
+}
+
+static int
+read_event(Reader *r, Parsed *out, EventFields *ev)
+{
+    int is_map;
+    uint64_t count;
+    StrValue tag;
+    if (read_container(r, &is_map, &count) < 0 || !is_map || count < 1) {
+        return -1;
+    }
+    if (!need(r, 5) || memcmp(r->p, "\xa4type", 5) != 0) {
+        return -1;
+    }
+    r->p += 5;
+    if (read_str_or_nil(r, &tag) < 0 || tag.p == NULL) {
+        return -1;
+    }
+    uint32_t required, allowed;
+    memset(ev, 0, sizeof(*ev));
+    ev->extra_len = -1;
+    ev->first_key = out->num_keys;
+    if (span_is(tag.p, tag.len, "BlockStored")) {
+        ev->kind = KIND_STORED;
+        required = STORED_REQUIRED;
+        allowed = STORED_FIELDS;
+    }
+    else if (span_is(tag.p, tag.len, "BlockRemoved")) {
+        ev->kind = KIND_REMOVED;
+        required = REMOVED_REQUIRED;
+        allowed = REMOVED_FIELDS;
+    }
+    else if (span_is(tag.p, tag.len, "AllBlocksCleared")) {
+        ev->kind = KIND_CLEARED;
+        required = allowed = 0;
+    }
+    else {
+        return -1;
+    }
+    uint32_t seen = 0;
+    for (uint64_t i = 1; i < count; i++) {
+        int field = read_field(r);
+        if (field < 0 || !(allowed & BIT(field)) || (seen & BIT(field))) {
+            return -1;
+        }
+        seen |= BIT(field);
+        uint64_t n;
+        IntValue ignored;
+        int status = 0;
+        switch (field) {
+        case F_BLOCK_HASHES:
+            if (read_array(r, &n) < 0) {
+                return -1;
+            }
+            for (uint64_t k = 0; k < n; k++) {
+                uint64_t key;
+                if (read_key(r, &key) < 0 || push_key(out, key) < 0) {
+                    return -1;
+                }
+            }
+            ev->num_keys = (size_t)n;
+            break;
+        case F_PARENT:
+            if (need(r, 1) && *r->p == 0xc0) {
+                r->p++;
+                ev->parent.tag = INT_NIL;
+            }
+            else {
+                status = read_key(r, &ev->parent.bits);
+                ev->parent.tag = INT_UNSIGNED;
+            }
+            break;
+        case F_TOKEN_IDS: status = skip(r, 2); break;
+        case F_BLOCK_SIZE: status = read_int(r, &ev->block_size); break;
+        case F_LORA_ID: status = read_int_or_nil(r, &ignored); break;
+        case F_SLIDING_WINDOW: status = read_int_or_nil(r, &ignored); break;
+        case F_GROUP_IDX: status = read_int_or_nil(r, &ev->group_idx); break;
+        case F_MEDIUM: status = read_str_or_nil(r, &ev->medium); break;
+        case F_LORA_NAME: status = read_str_or_nil(r, &ev->lora_name); break;
+        case F_SPEC_KIND: status = read_str_or_nil(r, &ev->spec_kind); break;
+        case F_LOCALITY: status = read_str_or_nil(r, &ev->locality); break;
+        case F_OWNERSHIP: status = read_str_or_nil(r, &ev->ownership); break;
+        case F_SESSION_ID: status = read_str_or_nil(r, &ev->session_id); break;
+        case F_EXTRA_KEYS:
+            if (need(r, 1) && *r->p == 0xc0) {
+                r->p++;
+                break;
+            }
+            if (read_array(r, &n) < 0) {
+                return -1;
+            }
+            for (uint64_t k = 0; k < n; k++) { /* a plain block's entry: nil, or an empty array */
+                if (!need(r, 1) || (*r->p != 0xc0 && *r->p != 0x90)) {
+                    return -1;
+                }
+                r->p++;
+            }
+            ev->extra_len = (int64_t)n;
+            break;
+        case F_LOOKAHEAD:
+            if (!need(r, 1) || *r->p != 0xc0) {
+                return -1;
+            }
+            r->p++;
+            break;
+        }
+        if (status < 0) {
+            return -1;
+        }
+    }
+    return (seen & required) == required ? 0 : -1;
+}
+
+static int
+read_batch(Reader *r, Parsed *out)
+{
+    int is_map;
+    uint64_t count, num_events;
+    if (read_container(r, &is_map, &count) < 0 || is_map || count < 2 || count > 3 || !need(r, 1)) {
+        return -1;
+    }
+    uint8_t marker = *r->p++;
+    if (marker == 0xcb && need(r, 8)) {
+        uint64_t bits = read_be(r->p, 8);
+        memcpy(&out->ts, &bits, 8);
+        r->p += 8;
+    }
+    else if (marker == 0xca && need(r, 4)) {
+        uint32_t bits = (uint32_t)read_be(r->p, 4);
+        float value;
+        memcpy(&value, &bits, 4);
+        out->ts = value;
+        r->p += 4;
+    }
+    else {
+        return -1;
+    }
+    if (read_array(r, &num_events) < 0) {
+        return -1;
+    }
+    out->events = malloc((num_events ? num_events : 1) * sizeof(EventFields));
+    if (out->events == NULL) {
+        return -1;
+    }
+    for (uint64_t i = 0; i < num_events; i++) {
+        if (read_event(r, out, &out->events[i]) < 0) {
+            return -1;
+        }
+        out->num_events++;
+    }
+    out->rank.tag = INT_NIL;
+    if (count == 3 && read_int_or_nil(r, &out->rank) < 0) {
+        return -1;
+    }
+    return r->p == r->end ? 0 : -1;
+}
+
+static PyObject *SPEC_FULL_ATTENTION; /* "full_attention", shared by every event that names it */
+
+static PyObject *
+int_object(IntValue value)
+{
+    if (value.tag == INT_NIL) {
+        Py_RETURN_NONE;
+    }
+    return value.tag == INT_SIGNED ? PyLong_FromLongLong((int64_t)value.bits)
+                                   : PyLong_FromUnsignedLongLong(value.bits);
+}
+
+/* A str field's value (None when nil); NULL with an error set when its bytes are not UTF-8. */
+static PyObject *
+str_object(StrValue value)
+{
+    if (value.p == NULL) {
+        Py_RETURN_NONE;
+    }
+    if (span_is(value.p, value.len, "full_attention")) {
+        Py_INCREF(SPEC_FULL_ATTENTION);
+        return SPEC_FULL_ATTENTION;
+    }
+    return PyUnicode_DecodeUTF8((const char *)value.p, value.len, NULL);
+}
+
+/* The tier of a medium: convert's `medium or TIER_GPU`. */
+static PyObject *
+tier_object(StrValue medium, PyObject *gpu_tier)
+{
+    if (medium.p == NULL || medium.len == 0 || span_is(medium.p, medium.len, "GPU")) {
+        Py_INCREF(gpu_tier);
+        return gpu_tier;
+    }
+    return PyUnicode_DecodeUTF8((const char *)medium.p, medium.len, NULL);
+}
+
+/* A str that is only checked (vLLM's ownership and session id: msgspec refuses them when not UTF-8). */
+static int
+check_str(StrValue value)
+{
+    if (value.p == NULL) {
+        return 0;
+    }
+    PyObject *text = PyUnicode_DecodeUTF8((const char *)value.p, value.len, NULL);
+    if (text == NULL) {
+        return -1;
+    }
+    Py_DECREF(text);
+    return 0;
+}
+
+static PyObject *
+keys_tuple(const Parsed *parsed, const EventFields *ev)
+{
+    PyObject *keys = PyTuple_New((Py_ssize_t)ev->num_keys);
+    if (keys == NULL) {
+        return NULL;
+    }
+    for (size_t k = 0; k < ev->num_keys; k++) {
+        PyObject *key = PyLong_FromUnsignedLongLong(parsed->keys[ev->first_key + k]);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(keys, (Py_ssize_t)k, key);
+    }
+    PyObject_GC_UnTrack(keys); /* ints only: never part of a cycle, and the collector need not visit it */
+    return keys;
+}
+
+/* One event object; NULL with an error set (a string that is not UTF-8, or no memory). */
+static PyObject *
+event_object(const Parsed *parsed, const EventFields *ev, PyObject *const *types)
+{
+    PyObject *stored_type = types[0], *removed_type = types[1], *cleared = types[2], *gpu_tier = types[3];
+    if (ev->kind == KIND_CLEARED) {
+        Py_INCREF(cleared);
+        return cleared;
+    }
+    PyObject *args[11] = {NULL};
+    PyObject *result = NULL;
+    int nargs;
+    if (check_str(ev->ownership) < 0 || check_str(ev->session_id) < 0) {
+        return NULL;
+    }
+    if ((args[0] = keys_tuple(parsed, ev)) == NULL) {
+        goto done;
+    }
+    if (ev->kind == KIND_REMOVED) {
+        /* BlocksRemoved(block_keys, tier, group_idx) */
+        nargs = 3;
+        if ((args[1] = tier_object(ev->medium, gpu_tier)) == NULL || (args[2] = int_object(ev->group_idx)) == NULL) {
+            goto done;
+        }
+        result = PyObject_Vectorcall(removed_type, args, 3, NULL);
+        goto done;
+    }
+    /* BlocksStored(block_keys, parent_key, token_ids, block_size, tier, lora_name, extra_keys, group_idx,
+     * spec_kind, locality, lookahead_token_ids): stored_event's positional order. */
+    nargs = 11;
+    if ((args[1] = int_object(ev->parent)) == NULL || (args[2] = PyTuple_New(0)) == NULL
+        || (args[3] = int_object(ev->block_size)) == NULL || (args[4] = tier_object(ev->medium, gpu_tier)) == NULL
+        || (args[5] = str_object(ev->lora_name)) == NULL) {
+        goto done;
+    }
+    if (ev->extra_len < 0) {
+        Py_INCREF(Py_None);
+        args[6] = Py_None;
+    }
+    else {
+        if ((args[6] = PyTuple_New((Py_ssize_t)ev->extra_len)) == NULL) {
+            goto done;
+        }
+        for (int64_t k = 0; k < ev->extra_len; k++) {
+            Py_INCREF(Py_None);
+            PyTuple_SET_ITEM(args[6], (Py_ssize_t)k, Py_None);
+        }
+        PyObject_GC_UnTrack(args[6]);
+    }
+    if ((args[7] = int_object(ev->group_idx)) == NULL || (args[8] = str_object(ev->spec_kind)) == NULL
+        || (args[9] = str_object(ev->locality)) == NULL) {
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    args[10] = Py_None;
+    result = PyObject_Vectorcall(stored_type, args, 11, NULL);
+done:
+    for (int i = 0; i < 11; i++) {
+        Py_XDECREF(args[i]);
+    }
+    (void)nargs;
+    return result;
+}
+
+static PyObject *
+build_batch(const Parsed *parsed, PyObject *const *types)
+{
+    PyObject *events = PyTuple_New((Py_ssize_t)parsed->num_events);
+    if (events == NULL) {
+        return NULL;
+    }
+    for (size_t i = 0; i < parsed->num_events; i++) {
+        PyObject *event = event_object(parsed, &parsed->events[i], types);
+        if (event == NULL) {
+            Py_DECREF(events);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(events, (Py_ssize_t)i, event);
+    }
+    /* The events are untracked structs (indexer/events.py) of immutable values: no cycle can go through. */
+    PyObject_GC_UnTrack(events);
+    PyObject *ts = PyFloat_FromDouble(parsed->ts);
+    PyObject *rank = int_object(parsed->rank);
+    if (ts == NULL || rank == NULL) {
+        Py_XDECREF(ts);
+        Py_XDECREF(rank);
+        Py_DECREF(events);
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(3, ts, events, rank);
+    Py_DECREF(ts);
+    Py_DECREF(events);
+    Py_DECREF(rank);
+    return result;
+}
+
+static PyObject *
+read_events(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_events(payload: bytes, stored_type, removed_type, cleared, gpu_tier: str)");
+        return NULL;
+    }
+    PyObject *payload = args[0];
+    Py_ssize_t size = PyBytes_GET_SIZE(payload);
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(payload);
+    Reader reader = {data, data + size};
+    Parsed parsed = {0};
+    int status;
+    if (size >= MIN_PAYLOAD_BYTES) {
+        /* `payload` is immutable and kept alive by the caller; `parsed` is ours. */
+        Py_BEGIN_ALLOW_THREADS
+        status = read_batch(&reader, &parsed);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        status = read_batch(&reader, &parsed);
+    }
+    PyObject *result = NULL;
+    if (status == 0) {
+        result = build_batch(&parsed, args + 1);
+        if (result == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            PyErr_Clear(); /* a str that is not UTF-8: msgspec's path says so */
+            status = -1;
+        }
+    }
+    free(parsed.keys);
+    free(parsed.events);
+    if (status < 0) {
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
 static PyMethodDef payload_methods[] = {
     {"without_token_ids", (PyCFunction)(void (*)(void))without_token_ids, METH_FASTCALL,
      "without_token_ids(payload: bytes, min_bytes: int = 1024) -> bytes | None: the batch with each map "
      "event's token_ids an empty array, or None (not the expected outline, nothing to take out, or "
      "shorter than min_bytes)."},
+    {"read_events", (PyCFunction)(void (*)(void))read_events, METH_FASTCALL,
+     "read_events(payload: bytes, stored_type, removed_type, cleared, gpu_tier: str) -> "
+     "tuple[float, tuple[event, ...], int | None] | None: a batch of vLLM's default shape read into events "
+     "(stored_type(...) and removed_type(...) built as convert.stored_event / removed_event would), or None "
+     "for any other shape or bad bytes."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -324,5 +917,12 @@ static struct PyModuleDef payload_module = {
 PyMODINIT_FUNC
 PyInit__payload(void)
 {
+    for (int f = 0; f < NUM_FIELDS; f++) {
+        FIELD_LENGTHS[f] = strlen(FIELD_NAMES[f]);
+    }
+    SPEC_FULL_ATTENTION = PyUnicode_InternFromString("full_attention");
+    if (SPEC_FULL_ATTENTION == NULL) {
+        return NULL;
+    }
     return PyModule_Create(&payload_module);
 }

@@ -1,1 +1,6 @@
+from typing import Any
+
 def without_token_ids(payload: bytes, min_bytes: int = 1024, /) -> bytes | None: ...
+def read_events(
+    payload: bytes, stored_type: Any, removed_type: Any, cleared: Any, gpu_tier: str, /
+) -> tuple[float, tuple[Any, ...], int | None] | None: ...

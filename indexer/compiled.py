@@ -3,8 +3,9 @@
 The compiled cores are built by `pip install` when a C compiler is present:
 - kvindex.indexer._shard (indexer/_shard.c) keeps the same two LRU levels, copy counts and reverse logs
   as indexer/shard.py in ~40 bytes per pair instead of ~100; shard.py's `Shard` is the reference;
-- kvindex.indexer._payload (indexer/_payload.c) copies a batch without its token ids, off the GIL, for
-  decode's hot path; without it the original is decoded (the same events).
+- kvindex.indexer._payload (indexer/_payload.c) reads a batch of vLLM's default shape straight into
+  kvindex's events (`read_events`), or copies it without its token ids (`without_token_ids`), mostly off
+  the GIL, for decode's hot path; without it msgspec decodes the original (the same events).
 Both give way to pure Python when their extension is absent or KVINDEX_PURE_PYTHON=1 was set at import
 (the switch the hash core reads too).
 """
@@ -12,6 +13,7 @@ Both give way to pure Python when their extension is absent or KVINDEX_PURE_PYTH
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvindex.hashing.compiled import pure_python_forced
 from kvindex.indexer.shard import Shard, ShardCore
@@ -47,6 +49,23 @@ def load_payload_extension() -> Callable[[bytes], bytes | None] | None:
 without_token_ids: Callable[[bytes], bytes | None] | None = (
     None if pure_python_forced() else load_payload_extension()
 )
+
+# (payload, BlocksStored, BlocksRemoved, the AllBlocksCleared, the GPU tier) -> (ts, events, rank), or None
+# (not the default shape: decode it with msgspec).
+EventReader = Callable[[bytes, Any, Any, Any, str], "tuple[float, tuple[Any, ...], int | None] | None"]
+
+
+def load_event_reader() -> EventReader | None:
+    """kvindex.indexer._payload's read_events if it was built, whatever KVINDEX_PURE_PYTHON says."""
+    try:
+        from kvindex.indexer import _payload
+    except ImportError:
+        return None
+    return _payload.read_events
+
+
+# Read per call by decode.py.
+read_events: EventReader | None = None if pure_python_forced() else load_event_reader()
 
 
 def describe() -> str:

@@ -107,7 +107,9 @@ def stored_event(
 ) -> BlocksStored:
     """The one construction of a BlocksStored from wire fields, once hashes are keys: the medium becomes
     the tier (GPU when unset), extra keys and lookahead tokens become hashable tuples. Shared by
-    `convert_stored` and decode's hot path (which checks keys in msgspec), so both build the same event."""
+    `convert_stored` and decode's hot path (which checks keys in msgspec), so both build the same event; the
+    compiled batch reader (indexer/_payload.c, read_events) builds the same positional call in C, and
+    tests/indexer/test_payload.py holds the two equal."""
     # Positional (faster than keywords on the hot path), in BlocksStored's field order.
     return BlocksStored(
         keys,

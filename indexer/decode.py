@@ -12,7 +12,14 @@ from typing import Annotated, Any
 import msgspec
 from kvindex.indexer import compiled
 from kvindex.indexer.convert import ConvertError, convert_event, removed_event, stored_event
-from kvindex.indexer.events import AllBlocksCleared, EventBatch, KVEvent
+from kvindex.indexer.events import (
+    TIER_GPU,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    KVEvent,
+)
 from kvindex.replay import wire
 
 # --- the ingest hot path: vLLM's default shape, decoded straight into what the index needs -----------
@@ -112,7 +119,11 @@ def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch
     are most of a batch's bytes) and BlocksStored.token_ids is () — for consumers that never use them.
     """
     if not with_token_ids:
-        # The compiled reader copies the batch without its token ids, off the GIL (indexer/_payload.c):
+        # The compiled reader builds the events of vLLM's default shape itself (indexer/_payload.c)...
+        read = _read_default_shape(payload)
+        if read is not None:
+            return read
+        # ... else it copies the batch without its token ids, off the GIL (indexer/_payload.c):
         # the same events, a fraction of the bytes for msgspec to walk.
         slim = compiled.without_token_ids(payload) if compiled.without_token_ids is not None else None
         try:
@@ -133,6 +144,17 @@ def decode_batch(payload: bytes, *, with_token_ids: bool = True) -> DecodedBatch
             dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
     batch = EventBatch(ts=wire_batch.ts, events=tuple(events), dp_rank=wire_batch.data_parallel_rank)
     return DecodedBatch(batch=batch, dropped=dropped)
+
+
+def _read_default_shape(payload: bytes) -> DecodedBatch | None:
+    read_events = compiled.read_events
+    if read_events is None:
+        return None
+    read = read_events(payload, BlocksStored, BlocksRemoved, _ALL_BLOCKS_CLEARED, TIER_GPU)
+    if read is None:
+        return None
+    ts, events, dp_rank = read
+    return DecodedBatch(batch=EventBatch(ts=ts, events=events, dp_rank=dp_rank), dropped=_NO_DROPS)
 
 
 def _decode_hot(hot: _HotBatch) -> DecodedBatch:

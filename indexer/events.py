@@ -33,7 +33,12 @@ class PodRef(msgspec.Struct, frozen=True, order=True):
     dp_rank: int = 0
 
 
-class BlocksStored(msgspec.Struct, frozen=True):
+# NOTE: events are never tracked by the cyclic GC (gc=False): they hold only tuples of immutable values,
+# so they cannot be part of a cycle, and ingest makes millions of them (each tracked allocation brings
+# the next collection closer).
+
+
+class BlocksStored(msgspec.Struct, frozen=True, gc=False):
     """Blocks newly held by a pod on `tier`; `block_keys` are in prompt order."""
 
     block_keys: tuple[int, ...]
@@ -51,7 +56,7 @@ class BlocksStored(msgspec.Struct, frozen=True):
     lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
-class BlocksRemoved(msgspec.Struct, frozen=True):
+class BlocksRemoved(msgspec.Struct, frozen=True, gc=False):
     """Blocks a pod no longer holds on `tier` (other tiers keep theirs)."""
 
     block_keys: tuple[int, ...]
@@ -59,14 +64,14 @@ class BlocksRemoved(msgspec.Struct, frozen=True):
     group_idx: int | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, frozen=True):
+class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
     """The pod dropped every block (vLLM's reset_prefix_cache)."""
 
 
 KVEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
-class EventBatch(msgspec.Struct, frozen=True):
+class EventBatch(msgspec.Struct, frozen=True, gc=False):
     """One decoded vLLM batch: the events of one engine step, in order."""
 
     ts: float

@@ -1,6 +1,7 @@
-"""The compiled batch reader (indexer/_payload.c): a batch without its token ids must hold exactly what the
-original holds, token ids aside, and decode's hot path must give the same events from it; anything that
-is not a batch it can read is left to the original (None), never misread and never a crash."""
+"""The compiled batch reader (indexer/_payload.c). `without_token_ids`: a batch without its token ids must
+hold exactly what the original holds, token ids aside, and decode's hot path must give the same events
+from it. `read_events`: the events it builds must be exactly those msgspec's path builds. Anything either
+cannot read is left to the original (None), never misread and never a crash."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from extensions import require_built
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from index_cores import require_payload_extension
 from kvindex.indexer import compiled
+from kvindex.indexer.compiled import EventReader
 from kvindex.indexer.decode import DecodeError, decode_batch
+from kvindex.indexer.events import TIER_GPU, AllBlocksCleared, BlocksRemoved, BlocksStored
 from replay_support import load_vectors
 
 from benchmarks.workload import WorkloadSpec, build_workload, encode_engine
@@ -24,8 +28,15 @@ pytestmark = pytest.mark.timeout(120)
 WithoutTokenIds = Callable[..., bytes | None]  # the extension's function
 
 
+ALL_BLOCKS_CLEARED = AllBlocksCleared()
+
+
 def require_extension() -> WithoutTokenIds:
     return require_payload_extension()
+
+
+def require_event_reader() -> EventReader:
+    return require_built(compiled.load_event_reader(), "kvindex.indexer._payload", "a C compiler")
 
 
 def expected(payload: bytes) -> Any:
@@ -61,17 +72,32 @@ def recorded_payloads() -> list[bytes]:
     return payloads
 
 
-def decoded_both_ways(payload: bytes, patch: pytest.MonkeyPatch, without: WithoutTokenIds) -> tuple[Any, Any]:
-    def decode() -> Any:
-        try:
-            return decode_batch(payload, with_token_ids=False)
-        except DecodeError as exc:
-            return ("DecodeError", exc.reason)
+def decode_or_reason(payload: bytes) -> Any:
+    try:
+        return decode_batch(payload, with_token_ids=False)
+    except DecodeError as exc:
+        return ("DecodeError", exc.reason)
 
+
+def decoded_both_ways(payload: bytes, patch: pytest.MonkeyPatch, without: WithoutTokenIds) -> tuple[Any, Any]:
+    """decode's answer from msgspec alone, and through without_token_ids (read_events off for both)."""
+    patch.setattr(compiled, "read_events", None)
     patch.setattr(compiled, "without_token_ids", None)
-    original = decode()
+    original = decode_or_reason(payload)
     patch.setattr(compiled, "without_token_ids", lambda data: without(data, 0))
-    return original, decode()
+    return original, decode_or_reason(payload)
+
+
+def read_both_ways(payload: bytes, patch: pytest.MonkeyPatch) -> tuple[Any, Any, bool]:
+    """decode's answer from msgspec alone, then with both readers on, and whether read_events read it."""
+    reader = require_event_reader()
+    patch.setattr(compiled, "read_events", None)
+    patch.setattr(compiled, "without_token_ids", None)
+    original = decode_or_reason(payload)
+    patch.setattr(compiled, "read_events", reader)
+    patch.setattr(compiled, "without_token_ids", compiled.load_payload_extension())
+    read = reader(payload, BlocksStored, BlocksRemoved, ALL_BLOCKS_CLEARED, TIER_GPU) is not None
+    return original, decode_or_reason(payload), read
 
 
 def test_recorded_and_benchmark_batches_lose_only_their_token_ids() -> None:
@@ -176,3 +202,220 @@ def test_random_bytes_never_crash_the_reader() -> None:
         slim = without(b"\x93" + data, 0)
         if slim is not None and readable_outline(b"\x93" + data):
             assert msgspec.msgpack.decode(slim) == expected(b"\x93" + data)
+
+
+# --- read_events ------------------------------------------------------------------------------------
+
+
+def test_read_events_builds_exactly_what_msgspec_builds_from_recorded_and_benchmark_batches() -> None:
+    read = 0
+    with pytest.MonkeyPatch.context() as patch:
+        for payload in recorded_payloads():
+            original, through_reader, was_read = read_both_ways(payload, patch)
+            assert through_reader == original
+            read += was_read
+    assert read >= 10  # vLLM's own default batches take the reader, not only the benchmark's
+
+
+def default_event(**fields: Any) -> dict[str, Any]:
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2**64 - 1],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    event.update(fields)
+    return {key: value for key, value in event.items() if value is not DROP}
+
+
+DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("case", "event", "reads"),
+    [
+        ("default", default_event(), True),
+        (
+            "every optional field",
+            default_event(
+                extra_keys=[None, []],
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+                kv_cache_spec_sliding_window=None,
+                locality="local",
+                ownership="own",
+                session_id="s",
+                lookahead_token_ids=None,
+            ),
+            True,
+        ),
+        (
+            "CPU tier, LoRA name, parent",
+            default_event(medium="CPU", lora_name="a", parent_block_hash=7),
+            True,
+        ),
+        ("empty medium is GPU", default_event(medium=""), True),
+        ("nil medium is GPU", default_event(medium=None), True),
+        ("removed", {"type": "BlockRemoved", "block_hashes": [3], "medium": None, "group_idx": 1}, True),
+        ("cleared", {"type": "AllBlocksCleared"}, True),
+        ("tag not first", dict(reversed(list(default_event().items()))), False),
+        ("unknown field", default_event(new_field=1), False),
+        ("missing required field", default_event(lora_id=DROP), False),
+        ("negative hash", default_event(block_hashes=[-1]), False),
+        ("raw digest hash", default_event(block_hashes=[b"\x00" * 32]), False),
+        ("extra keys with a value", default_event(extra_keys=[["lora"], None]), False),
+        ("lookahead tokens", default_event(lookahead_token_ids=[[1], [2]]), False),
+        ("bool block size", default_event(block_size=True), False),
+        ("unknown tag", {"type": "BlockMoved", "block_hashes": [1]}, False),
+        ("cleared with a field", {"type": "AllBlocksCleared", "medium": "GPU"}, False),
+        (
+            "removed with a stored field",
+            {"type": "BlockRemoved", "block_hashes": [1], "medium": None, "block_size": 16},
+            False,
+        ),
+    ],
+)
+def test_read_events_reads_the_default_shape_and_declines_the_rest(
+    case: str, event: Any, reads: bool
+) -> None:
+    payload = msgspec.msgpack.encode([1.5, [event, default_event()], 3])
+    with pytest.MonkeyPatch.context() as patch:
+        original, through_reader, was_read = read_both_ways(payload, patch)
+    assert through_reader == original, case
+    assert was_read is reads, case
+
+
+def test_read_events_declines_strings_that_are_not_utf8_and_other_batch_shapes() -> None:
+    reader = require_event_reader()
+    payload = msgspec.msgpack.encode([1.0, [default_event(lora_name="ab")], 0])
+    bad_utf8 = payload.replace(b"\xa2ab", b"\xa2\xff\xfe")
+    other_shapes = [
+        [1, [default_event()], 0],  # an int ts
+        [1.0, [default_event()], True],  # a bool rank
+        [1.0, [default_event()], 0, 0],  # a fourth item
+        [1.0],
+        {"ts": 1.0, "events": []},
+    ]
+    for bad in (
+        b"",
+        b"\xc1",
+        payload[:-1],
+        payload + b"\x00",
+        bad_utf8,
+        *map(msgspec.msgpack.encode, other_shapes),
+    ):
+        assert reader(bad, BlocksStored, BlocksRemoved, ALL_BLOCKS_CLEARED, TIER_GPU) is None
+        with pytest.MonkeyPatch.context() as patch:
+            original, through_reader, _ = read_both_ways(bad, patch)
+        assert through_reader == original
+    with pytest.raises(TypeError):
+        reader("not bytes", BlocksStored, BlocksRemoved, ALL_BLOCKS_CLEARED, TIER_GPU)  # type: ignore[arg-type]
+
+
+# Per field: values of its own type (most events are then the default shape, and read); now and then
+# anything else, a missing or unknown field, or another order (declined, and msgspec's path decodes).
+_U64 = st.integers(0, 2**64 - 1)
+_OPT_STR = st.none() | st.text(max_size=8) | st.sampled_from(["GPU", "CPU", "full_attention", ""])
+_OPT_INT = st.none() | st.integers(-(2**63), 2**64 - 1)
+FIELD_VALUES: dict[str, Any] = {
+    "block_hashes": st.lists(_U64, max_size=20),
+    "parent_block_hash": st.none() | _U64,
+    "token_ids": st.lists(st.integers(0, 2**32 - 1), max_size=64),
+    "block_size": st.integers(-(2**63), 2**64 - 1),
+    "lora_id": _OPT_INT,
+    "medium": _OPT_STR,
+    "lora_name": _OPT_STR,
+    "extra_keys": st.none() | st.lists(st.none() | st.just([]), max_size=6),
+    "group_idx": _OPT_INT,
+    "kv_cache_spec_kind": _OPT_STR,
+    "kv_cache_spec_sliding_window": _OPT_INT,
+    "locality": _OPT_STR,
+    "ownership": _OPT_STR,
+    "session_id": _OPT_STR,
+    "lookahead_token_ids": st.none(),
+}
+REQUIRED = {
+    "BlockStored": [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ],
+    "BlockRemoved": ["block_hashes", "medium"],
+    "AllBlocksCleared": [],
+}
+OPTIONAL = {
+    "BlockStored": sorted(set(FIELD_VALUES) - set(REQUIRED["BlockStored"])),
+    "BlockRemoved": ["group_idx", "locality", "ownership"],
+    "AllBlocksCleared": [],
+}
+
+
+def rarely(draw: st.DrawFn) -> bool:
+    return draw(st.integers(0, 39)) == 0
+
+
+@st.composite
+def typed_events(draw: st.DrawFn) -> dict[str, Any]:
+    tag = draw(st.sampled_from(["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]))
+    names = [name for name in REQUIRED[tag] if not rarely(draw)]
+    names += draw(st.lists(st.sampled_from(OPTIONAL[tag]), unique=True)) if OPTIONAL[tag] else []
+    if rarely(draw):
+        names.append(draw(st.sampled_from(sorted(FIELD_VALUES)) | st.text(max_size=6)))
+    event: dict[str, Any] = {"type": draw(st.text(max_size=12)) if rarely(draw) else tag}
+    for name in names:
+        event[name] = draw(values) if rarely(draw) or name not in FIELD_VALUES else draw(FIELD_VALUES[name])
+    if rarely(draw):
+        event = dict(draw(st.permutations(list(event.items()))))
+    return event
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ts=st.floats(allow_nan=False, width=32) | st.floats(allow_nan=False),
+    events=st.lists(typed_events(), max_size=5) | st.lists(typed_events() | map_events, max_size=6),
+    rank=st.none() | st.integers(-3, 2**64 - 1),
+    with_rank=st.booleans(),
+)
+def test_read_events_and_msgspec_agree_on_any_batch(
+    ts: Any, events: list[Any], rank: Any, with_rank: bool
+) -> None:
+    payload = msgspec.msgpack.encode([ts, events, rank] if with_rank else [ts, events])
+    with pytest.MonkeyPatch.context() as patch:
+        original, through_reader, _ = read_both_ways(payload, patch)
+    assert through_reader == original
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cut=st.integers(0, 10_000),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+)
+def test_read_events_on_damaged_batches_agrees_with_msgspec(cut: int, flips: list[tuple[int, int]]) -> None:
+    payloads = recorded_payloads()
+    damaged = bytearray(payloads[cut % len(payloads)])
+    for position, value in flips:
+        damaged[position % len(damaged)] = value
+    payload = bytes(damaged[: len(damaged) - cut % 7])
+    with pytest.MonkeyPatch.context() as patch:
+        original, through_reader, _ = read_both_ways(payload, patch)
+    assert through_reader == original
+
+
+def test_random_bytes_never_crash_read_events() -> None:
+    reader = require_event_reader()
+    rng = random.Random(15)
+    for _ in range(3_000):
+        data = b"\x93\xcb" + bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 80)))
+        read = reader(data, BlocksStored, BlocksRemoved, ALL_BLOCKS_CLEARED, TIER_GPU)
+        if read is not None:
+            with pytest.MonkeyPatch.context() as patch:
+                original, through_reader, _ = read_both_ways(data, patch)
+            assert through_reader == original
