@@ -53,6 +53,9 @@ class ApplyStats(msgspec.Struct, frozen=True):
     released_copies: int = 0  # BlocksRemoved that dropped one of several copies: the pair stays held
 
 
+_MAX_KEY = 2**64 - 1
+
+
 def _checked_keys(keys: Sequence[int]) -> array[int]:
     """The keys as an array; refuses anything but unsigned 64-bit ints, before a batch changes anything."""
     try:
@@ -168,11 +171,14 @@ class KVIndex:
         """The batch as one shard's steps, in event order; raises before anything changes.
 
         Consecutive BlocksStored of one tier whose parent is the previous event's last block (a chain
-        continued, the usual shape) merge into one store step: that parent is held at that point.
+        continued, the usual shape) merge into one store step of one key group: that parent is held at
+        that point. Each group's keys are checked once, as one array, when the batch has been read.
         """
         steps: list[Step] = []
         tier_entry_ids: dict[str, int] = {}
-        last_store: list[KeyGroup] | None = None  # the previous step's key groups, if it is a store
+        # Each store step's key list, filled while the chain continues, and its (still empty) groups.
+        runs: list[tuple[list[int], list[KeyGroup]]] = []
+        last_run: list[int] | None = None  # the previous step's keys, if it is a store
         last_entry_id = last_key = -1
         for event in events:
             if isinstance(event, BlocksStored):
@@ -181,24 +187,26 @@ class KVIndex:
                 if entry_id is None:
                     entry_id = tier_entry_ids[tier] = self._intern(pod, tier)
                 keys = event.block_keys
-                key_array = _checked_keys(keys)
                 parent_key = event.parent_key
                 if parent_key is not None:
-                    if last_store is not None and parent_key == last_key and entry_id == last_entry_id:
+                    if last_run is not None and parent_key == last_key and entry_id == last_entry_id:
                         if keys:
-                            last_store.append((keys, key_array))
+                            last_run.extend(keys)
                             last_key = keys[-1]
                         continue
-                    _checked_keys((parent_key,))
+                    if type(parent_key) is not int or not 0 <= parent_key <= _MAX_KEY:
+                        _checked_keys((parent_key,))  # raises, saying what is wrong
                     steps.append((CHECK_PARENT, parent_key))
                 if keys:
-                    last_store = [(keys, key_array)]
+                    last_run = list(keys)
+                    groups: list[KeyGroup] = []
+                    runs.append((last_run, groups))
                     last_entry_id, last_key = entry_id, keys[-1]
-                    steps.append((STORE, entry_id, last_store))
+                    steps.append((STORE, entry_id, groups))
                 else:
-                    last_store = None
+                    last_run = None
                 continue
-            last_store = None
+            last_run = None
             if isinstance(event, BlocksRemoved):
                 entry_id = self._intern(pod, event.tier)
                 keys = event.block_keys
@@ -209,6 +217,8 @@ class KVIndex:
                 steps.append((CLEAR,))
             else:
                 raise TypeError(f"not a KV event: {type(event).__name__}")
+        for run, groups in runs:
+            groups.append((run, _checked_keys(run)))
         return steps
 
     def _apply_sharded(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
