@@ -241,6 +241,7 @@ def _dialled_hosts(config: ServeConfig) -> list[tuple[str, str, int]]:
 async def _serve(service: IngestService, config: ServeConfig) -> int:
     from aiohttp import web
     from kvindex.api.app import create_app
+    from kvindex.cli import process
     from kvindex.cli.dns_check import log_unresolved_hosts
 
     loop = asyncio.get_running_loop()
@@ -256,6 +257,7 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
     except Exception as exc:
         await loop.run_in_executor(None, service.stop)
         raise CliError(f"ingest failed to start: {exc}") from None
+    process.freeze_startup_heap()
     try:
         site = web.TCPSite(runner, config.api.host, config.api.port)
         try:

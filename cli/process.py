@@ -1,10 +1,12 @@
 """Process setup for `kvindex serve`: what belongs to the process, not to the indexer — the open-files
-limit, the GIL switch interval, and handing freed heap pages back to the OS."""
+limit, the GIL switch interval, the start-up heap kept out of the cyclic collector's passes, and handing
+freed heap pages back to the OS."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import sys
 from collections.abc import Callable
 
@@ -45,3 +47,11 @@ def heap_releaser() -> Callable[[], object] | None:
         return trim(0)
 
     return release
+
+
+def freeze_startup_heap() -> None:
+    """Move everything alive now (modules, the app, every stream and its tracker) out of the cyclic
+    collector's sight: it is never garbage, and a full collection walked all of it, ~40 ms at 1,000 pods
+    under the GIL, stalling ingest and every score request meanwhile."""
+    gc.collect()
+    gc.freeze()
