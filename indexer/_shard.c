@@ -58,12 +58,42 @@ settle(ShardObject *self)
     return -1;
 }
 
+/* Store the keys logged for `entry` from `start` on (one run at the log's end), then evict and compact. */
+static int
+store_logged(ShardObject *self, uint32_t entry, uint32_t start, Py_ssize_t *counts)
+{
+    Log *log = &self->logs[entry];
+    int64_t stored = 0;
+    int status = 0;
+    if (log->len - start >= RELEASE_GIL_KEYS) {
+        Py_BEGIN_ALLOW_THREADS
+        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
+        Py_END_ALLOW_THREADS
+    }
+    else if (log->len > start) {
+        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
+    }
+    self->live[entry] += stored;
+    counts[C_STORED] += stored;
+    if ((Py_ssize_t)self->count - self->low_water >= RELEASE_GIL_KEYS && self->count > self->capacity) {
+        Py_BEGIN_ALLOW_THREADS
+        evict_oldest_keys(self, counts);
+        Py_END_ALLOW_THREADS
+    }
+    else if ((Py_ssize_t)self->count > self->capacity) {
+        evict_oldest_keys(self, counts);
+    }
+    if (log->keys != NULL && (int64_t)log->len > 2 * self->live[entry] + 64) {
+        compact(self, entry);
+    }
+    return status;
+}
+
 /* A step's store: each group's keys in order (consecutive events of one entry, merged by the facade). */
 static int
 store_step(ShardObject *self, uint32_t entry, PyObject *groups, Py_ssize_t *counts)
 {
     PyObject *fast = PySequence_Fast(groups, "a store step's key groups must be a sequence");
-    int64_t stored = 0;
     int status = 0;
     if (fast == NULL) {
         return -1;
@@ -93,32 +123,31 @@ store_step(ShardObject *self, uint32_t entry, PyObject *groups, Py_ssize_t *coun
         }
         PyBuffer_Release(&view);
     }
+    Py_DECREF(fast);
     if (status < 0) {
         log->len = start; /* nothing of this step was stored */
+        return -1;
     }
-    else if (log->len - start >= RELEASE_GIL_KEYS) {
-        Py_BEGIN_ALLOW_THREADS
-        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
-        Py_END_ALLOW_THREADS
+    return store_logged(self, entry, start, counts);
+}
+
+/* One copy of each key dropped for this entry (see remove_step). */
+static void
+remove_keys(ShardObject *self, uint32_t entry, const uint64_t *keys, Py_ssize_t num_keys, Py_ssize_t *counts)
+{
+    Py_ssize_t removed = 0, released = 0;
+    for (Py_ssize_t i = 0; i < num_keys; i++) {
+        remove_key(self, entry, keys[i], &removed, &released);
     }
-    else if (log->len > start) {
-        status = store_keys(self, entry, log->keys + start, log->len - start, counts, &stored);
+    counts[C_REMOVED] += removed;
+    counts[C_RELEASED] += released;
+    counts[C_MISSING] += num_keys - removed - released;
+    if (removed) {
+        self->live[entry] -= removed;
+        if (!self->live[entry]) {
+            log_drop(&self->logs[entry]);
+        }
     }
-    Py_DECREF(fast);
-    self->live[entry] += stored;
-    counts[C_STORED] += stored;
-    if ((Py_ssize_t)self->count - self->low_water >= RELEASE_GIL_KEYS && self->count > self->capacity) {
-        Py_BEGIN_ALLOW_THREADS
-        evict_oldest_keys(self, counts);
-        Py_END_ALLOW_THREADS
-    }
-    else if ((Py_ssize_t)self->count > self->capacity) {
-        evict_oldest_keys(self, counts);
-    }
-    if (log->keys != NULL && (int64_t)log->len > 2 * self->live[entry] + 64) {
-        compact(self, entry);
-    }
-    return status;
 }
 
 /* Drop one copy of each key this entry holds (a removal is not a store: nothing moves in either LRU). */
@@ -322,6 +351,315 @@ Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* ---- apply_events: one batch straight from kvindex's event objects ----------------------------------
+ *
+ * The facade's usual path turns a batch into steps in Python (indexer/index.py, KVIndex._validate: one
+ * store step per chain of BlocksStored, key arrays checked by array('Q')), then apply_steps reads them.
+ * apply_events reads the events themselves, with the same merging, into a list of operations over one
+ * buffer of keys, and applies them only once the whole batch has been read. Whatever the facade must look
+ * at itself (a tier this pod has no entry id for yet, a key that is not a plain int in range, an object
+ * that is not one of the three events, key lists that are not tuples) declines the batch untouched
+ * (False), and the facade takes its usual path, which interns, validates and says what is wrong. */
+
+enum { OP_STORE, OP_REMOVE, OP_CHECK_PARENT, OP_CLEAR };
+
+typedef struct {
+    uint8_t kind;
+    uint32_t entry;
+    size_t first, count; /* keys in the batch's buffer */
+    uint64_t parent;
+} Op;
+
+typedef struct {
+    uint64_t *keys;
+    size_t num_keys, cap_keys;
+    Op *ops;
+    size_t num_ops, cap_ops;
+} Batch;
+
+static PyObject *S_BLOCK_KEYS, *S_PARENT_KEY, *S_TIER;
+
+enum { READ_OK = 0, READ_DECLINED = 1, READ_ERROR = -1 };
+
+/* A plain int from 0 to 2**64 - 1 (bools and subclasses decline: the facade's path decides). */
+static int
+read_u64(PyObject *value, uint64_t *out)
+{
+    if (!PyLong_CheckExact(value)) {
+        return READ_DECLINED;
+    }
+    uint64_t key = PyLong_AsUnsignedLongLong(value);
+    if (key == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return READ_ERROR;
+        }
+        PyErr_Clear();
+        return READ_DECLINED;
+    }
+    *out = key;
+    return READ_OK;
+}
+
+static int
+batch_keys(Batch *batch, PyObject *keys, size_t *count)
+{
+    if (!PyTuple_CheckExact(keys)) {
+        return READ_DECLINED;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    if (batch->num_keys + (size_t)n > batch->cap_keys) {
+        size_t cap = batch->cap_keys ? batch->cap_keys : 256;
+        while (cap < batch->num_keys + (size_t)n) {
+            cap *= 2;
+        }
+        uint64_t *grown = realloc(batch->keys, cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return READ_ERROR;
+        }
+        batch->keys = grown;
+        batch->cap_keys = cap;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int status = read_u64(PyTuple_GET_ITEM(keys, i), &batch->keys[batch->num_keys + (size_t)i]);
+        if (status != READ_OK) {
+            return status;
+        }
+    }
+    batch->num_keys += (size_t)n;
+    *count = (size_t)n;
+    return READ_OK;
+}
+
+static Op *
+batch_op(Batch *batch)
+{
+    if (batch->num_ops == batch->cap_ops) {
+        size_t cap = batch->cap_ops ? 2 * batch->cap_ops : 16;
+        Op *grown = realloc(batch->ops, cap * sizeof(Op));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        batch->ops = grown;
+        batch->cap_ops = cap;
+    }
+    Op *op = &batch->ops[batch->num_ops++];
+    memset(op, 0, sizeof(*op));
+    return op;
+}
+
+/* The entry id of an event's tier for this pod, from the facade's table (absent: declined). */
+static int
+tier_entry(ShardObject *self, PyObject *event, PyObject *tier_entry_ids, uint32_t *entry)
+{
+    PyObject *tier = PyObject_GetAttr(event, S_TIER);
+    if (tier == NULL) {
+        return READ_ERROR;
+    }
+    PyObject *entry_id = PyUnicode_CheckExact(tier) ? PyDict_GetItemWithError(tier_entry_ids, tier) : NULL;
+    Py_DECREF(tier);
+    if (entry_id == NULL) {
+        return PyErr_Occurred() ? READ_ERROR : READ_DECLINED;
+    }
+    uint64_t value;
+    int status = read_u64(entry_id, &value);
+    if (status != READ_OK) {
+        return status;
+    }
+    if (entries_reserve(self, value) < 0) {
+        return READ_ERROR;
+    }
+    *entry = (uint32_t)value;
+    return READ_OK;
+}
+
+/* Mirrors KVIndex._validate: the same steps, as operations over one key buffer. */
+static int
+read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObject *const *kinds, Batch *batch)
+{
+    int last_is_store = 0;
+    uint32_t last_entry = 0;
+    uint64_t last_key = 0;
+    size_t last_op = 0;
+    Py_ssize_t num_events = PySequence_Fast_GET_SIZE(events);
+    for (Py_ssize_t e = 0; e < num_events; e++) {
+        PyObject *event = PySequence_Fast_GET_ITEM(events, e);
+        PyTypeObject *type = Py_TYPE(event);
+        int status;
+        uint32_t entry;
+        size_t first = batch->num_keys, count = 0;
+        if ((PyObject *)type == kinds[0]) { /* BlocksStored */
+            if ((status = tier_entry(self, event, tier_entry_ids, &entry)) != READ_OK) {
+                return status;
+            }
+            PyObject *keys = PyObject_GetAttr(event, S_BLOCK_KEYS);
+            if (keys == NULL) {
+                return READ_ERROR;
+            }
+            status = batch_keys(batch, keys, &count);
+            Py_DECREF(keys);
+            if (status != READ_OK) {
+                return status;
+            }
+            PyObject *parent = PyObject_GetAttr(event, S_PARENT_KEY);
+            if (parent == NULL) {
+                return READ_ERROR;
+            }
+            if (parent != Py_None) {
+                uint64_t parent_key;
+                status = read_u64(parent, &parent_key);
+                Py_DECREF(parent);
+                if (status != READ_OK) {
+                    return status;
+                }
+                if (last_is_store && parent_key == last_key && entry == last_entry) {
+                    /* the chain goes on: its keys follow the previous store's in the buffer */
+                    if (count) {
+                        batch->ops[last_op].count += count;
+                        last_key = batch->keys[first + count - 1];
+                    }
+                    continue;
+                }
+                Op *check = batch_op(batch);
+                if (check == NULL) {
+                    return READ_ERROR;
+                }
+                check->kind = OP_CHECK_PARENT;
+                check->parent = parent_key;
+            }
+            else {
+                Py_DECREF(parent);
+            }
+            if (count) {
+                Op *store = batch_op(batch);
+                if (store == NULL) {
+                    return READ_ERROR;
+                }
+                store->kind = OP_STORE;
+                store->entry = entry;
+                store->first = first;
+                store->count = count;
+                last_is_store = 1;
+                last_op = batch->num_ops - 1;
+                last_entry = entry;
+                last_key = batch->keys[first + count - 1];
+            }
+            else {
+                last_is_store = 0;
+            }
+            continue;
+        }
+        last_is_store = 0;
+        if ((PyObject *)type == kinds[1]) { /* BlocksRemoved */
+            if ((status = tier_entry(self, event, tier_entry_ids, &entry)) != READ_OK) {
+                return status;
+            }
+            PyObject *keys = PyObject_GetAttr(event, S_BLOCK_KEYS);
+            if (keys == NULL) {
+                return READ_ERROR;
+            }
+            status = batch_keys(batch, keys, &count);
+            Py_DECREF(keys);
+            if (status != READ_OK) {
+                return status;
+            }
+            if (count) {
+                Op *remove = batch_op(batch);
+                if (remove == NULL) {
+                    return READ_ERROR;
+                }
+                remove->kind = OP_REMOVE;
+                remove->entry = entry;
+                remove->first = first;
+                remove->count = count;
+            }
+        }
+        else if ((PyObject *)type == kinds[2]) { /* AllBlocksCleared */
+            Op *clear = batch_op(batch);
+            if (clear == NULL) {
+                return READ_ERROR;
+            }
+            clear->kind = OP_CLEAR;
+        }
+        else {
+            return READ_DECLINED;
+        }
+    }
+    return READ_OK;
+}
+
+static int
+apply_ops(ShardObject *self, const Batch *batch, PyObject *pod_entry_ids, Py_ssize_t *counts)
+{
+    for (size_t i = 0; i < batch->num_ops; i++) {
+        const Op *op = &batch->ops[i];
+        if (op->kind == OP_STORE) {
+            Log *log = &self->logs[op->entry];
+            uint32_t start = log->len;
+            if (log_extend(self, log, batch->keys + op->first, (Py_ssize_t)op->count) < 0) {
+                log->len = start;
+                return -1;
+            }
+            if (store_logged(self, op->entry, start, counts) < 0) {
+                return -1;
+            }
+        }
+        else if (op->kind == OP_REMOVE) {
+            remove_keys(self, op->entry, batch->keys + op->first, (Py_ssize_t)op->count, counts);
+        }
+        else if (op->kind == OP_CHECK_PARENT) {
+            int held = held_by_any(self, op->parent, pod_entry_ids);
+            if (held < 0) {
+                return -1;
+            }
+            if (!held) {
+                counts[C_UNKNOWN_PARENT]++;
+            }
+        }
+        else {
+            Py_ssize_t cleared = clear_entries(self, pod_entry_ids);
+            if (cleared < 0) {
+                return -1;
+            }
+            counts[C_CLEARED] += cleared;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+Shard_apply_events(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !(PyTuple_CheckExact(args[0]) || PyList_CheckExact(args[0])) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "apply_events(events: tuple | list, tier_entry_ids: dict, pod_entry_ids, counts, "
+                        "stored_type, removed_type, cleared_type)");
+        return NULL;
+    }
+    Batch batch = {0};
+    Py_ssize_t counts[NUM_COUNTS] = {0};
+    /* A tuple or a list (not copied): the caller does not change it meanwhile (the GIL is never dropped
+     * while it is read). */
+    int status = read_batch(self, args[0], args[1], args + 4, &batch);
+    if (status == READ_OK) {
+        status = apply_ops(self, &batch, args[2], counts);
+        if (settle(self) < 0) {
+            status = -1;
+        }
+        /* Counted even when an operation failed part-way (memory exhaustion only): the index changed. */
+        if (add_counts(args[3], counts) < 0) {
+            status = -1;
+        }
+    }
+    free(batch.keys);
+    free(batch.ops);
+    if (status < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(status == READ_OK);
 }
 
 /* ---- the read path ---- */
@@ -767,6 +1105,9 @@ Shard_dealloc(ShardObject *self)
 static PyMethodDef Shard_methods[] = {
     {"apply_steps", (PyCFunction)(void (*)(void))Shard_apply_steps, METH_FASTCALL,
      "apply_steps(steps, pod_entry_ids, counts): apply one batch's steps for this shard, in order."},
+    {"apply_events", (PyCFunction)(void (*)(void))Shard_apply_events, METH_FASTCALL,
+     "apply_events(events, tier_entry_ids, pod_entry_ids, counts, stored_type, removed_type, cleared_type) "
+     "-> bool: apply one batch's events whole, or decline it untouched (False)."},
     {"clear_entries", (PyCFunction)Shard_clear_entries, METH_O,
      "clear_entries(entry_ids) -> int: drop every pair of these entries."},
     {"lookup_run", (PyCFunction)(void (*)(void))Shard_lookup_run, METH_FASTCALL,
@@ -814,6 +1155,12 @@ PyInit__shard(void)
 {
     PyObject *module;
     if (PyType_Ready(&ShardType) < 0) {
+        return NULL;
+    }
+    S_BLOCK_KEYS = PyUnicode_InternFromString("block_keys");
+    S_PARENT_KEY = PyUnicode_InternFromString("parent_key");
+    S_TIER = PyUnicode_InternFromString("tier");
+    if (S_BLOCK_KEYS == NULL || S_PARENT_KEY == NULL || S_TIER == NULL) {
         return NULL;
     }
     module = PyModule_Create(&shard_module);

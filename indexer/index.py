@@ -116,6 +116,8 @@ class KVIndex:
         self._single_ids: list[HolderIds] = []
         self._entry_ids: dict[Entry, int] = {}
         self._pod_entry_ids: dict[PodRef, frozenset[int]] = {}
+        # pod -> tier -> entry id, for the compiled core's apply_events (a pod appears once interned).
+        self._pod_tier_entry_ids: dict[PodRef, dict[str, int]] = {}
         self._pod_id_entry_ids: dict[str, frozenset[int]] = {}
 
     # -- interning ---------------------------------------------------------------------------------
@@ -135,6 +137,8 @@ class KVIndex:
                 self._single_ids.append((entry_id,))
                 self._entry_ids[entry] = entry_id
                 self._pod_entry_ids[pod] = self._pod_entry_ids.get(pod, frozenset()) | {entry_id}
+                # A new dict, not an update: a reader holding the old one sees a consistent table.
+                self._pod_tier_entry_ids[pod] = {**self._pod_tier_entry_ids.get(pod, {}), tier: entry_id}
                 by_id = self._pod_id_entry_ids
                 by_id[pod.pod_id] = by_id.get(pod.pod_id, frozenset()) | {entry_id}
             return entry_id
@@ -158,9 +162,24 @@ class KVIndex:
         of the batch) is still applied and counted in `unknown_parents`.
         """
         if self.num_shards == 1:
-            steps = self._validate(pod, events)
             counts = [0] * NUM_COUNTS
             shard = self._shards[0]
+            tier_entry_ids = self._pod_tier_entry_ids.get(pod)
+            if tier_entry_ids is not None and type(events) in (list, tuple):
+                # The compiled core reads the events itself (the same steps); it declines anything the
+                # steps below must look at, untouched.
+                with self._locks[0]:
+                    if shard.apply_events(
+                        events,  # type: ignore[arg-type]  # checked: a list or tuple
+                        tier_entry_ids,
+                        self._pod_entry_ids[pod],
+                        counts,
+                        BlocksStored,
+                        BlocksRemoved,
+                        AllBlocksCleared,
+                    ):
+                        return ApplyStats(*counts)
+            steps = self._validate(pod, events)
             pod_entry_ids = self._pod_entry_ids.get(pod, frozenset())
             with self._locks[0]:
                 shard.apply_steps(steps, pod_entry_ids, counts)

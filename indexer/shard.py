@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Final, Literal, Protocol
 
+from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+
 # The lookup answer for one key: the entry ids holding it (resolve with KVIndex.entry).
 HolderIds = tuple[int, ...]
 
@@ -92,6 +94,22 @@ class ShardCore(Protocol):
     def apply_steps(
         self, steps: Sequence[Step], pod_entry_ids: frozenset[int], counts: list[int], /
     ) -> None: ...
+
+    def apply_events(
+        self,
+        events: Sequence[KVEvent],
+        tier_entry_ids: dict[str, int],
+        pod_entry_ids: frozenset[int],
+        counts: list[int],
+        stored_type: type[BlocksStored],
+        removed_type: type[BlocksRemoved],
+        cleared_type: type[AllBlocksCleared],
+        /,
+    ) -> bool:
+        """Apply one batch of a pod's events straight from the event objects (the same steps as the
+        facade's `_validate` would make), or decline it untouched (False): the facade then makes the
+        steps itself. `tier_entry_ids`: the pod's entry id per tier (a tier not in it declines)."""
+        ...
 
     def clear_entries(self, entry_ids: Iterable[int], /) -> int: ...
 
@@ -202,6 +220,20 @@ class Shard:
         return sum(list(self.entry_live.values()))
 
     # -- the write path --------------------------------------------------------------------------------
+
+    def apply_events(
+        self,
+        events: Sequence[KVEvent],
+        tier_entry_ids: dict[str, int],
+        pod_entry_ids: frozenset[int],
+        counts: list[int],
+        stored_type: type[BlocksStored],
+        removed_type: type[BlocksRemoved],
+        cleared_type: type[AllBlocksCleared],
+        /,
+    ) -> bool:
+        """Always declines: the reference takes the facade's steps (apply_steps)."""
+        return False
 
     def apply_steps(self, steps: Sequence[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
         for step in steps:

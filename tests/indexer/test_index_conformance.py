@@ -334,6 +334,31 @@ class TestKVIndexConformance:
             index.apply(POD_B, [stored(keys), stored(["x"])])  # type: ignore[list-item]
         assert index.snapshot() == before
 
+    def test_a_known_pods_bad_batch_raises_and_changes_nothing_and_a_new_tier_is_taken(
+        self, index: Store
+    ) -> None:
+        # The compiled core reads a known pod's events itself and declines what it cannot take; the
+        # facade then refuses the batch as a whole, or (a tier the pod has not used yet) applies it.
+        keys = spread_keys(index, 4)
+        index.apply(POD_A, [stored(keys[:1])])
+        before = index.snapshot()
+        bad_batches: list[list[object]] = [
+            [stored(keys[1:2]), stored([2**64])],
+            [stored(keys[1:2]), "not an event"],
+            [removed(keys[:1]), stored([-5])],
+            [stored(keys[1:2], parent=keys[0]), stored(keys[2:3], parent=-1)],
+        ]
+        for bad in bad_batches:
+            with pytest.raises((TypeError, ValueError)):
+                index.apply(POD_A, bad)  # type: ignore[arg-type]
+        assert index.snapshot() == before
+        stats = index.apply(
+            POD_A, [stored(keys[1:2], parent=keys[0]), stored(keys[2:4], parent=keys[1], tier=TIER_CPU)]
+        )
+        assert stats.stored_blocks == 3 and stats.unknown_parents == 0  # the parent is held (on GPU)
+        assert holders_of(index, keys[3]) == {(POD_A, TIER_CPU)}
+        assert holders_of(index, keys[1]) == {(POD_A, TIER_GPU)}
+
 
 def test_invalid_configuration_is_refused() -> None:
     with pytest.raises(ValueError):
