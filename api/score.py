@@ -184,14 +184,14 @@ class ScoreHandler:
         """Each entry with its pod's state and event age; pods outside the asked states (by default:
         disconnected past the grace) left out; with rank "trust", vouched pods first (each group keeps
         the scorer's best-first order)."""
-        health_of = self._service.pod_health
+        healths = self._service.pod_healths([(entry.pod_id, entry.dp_rank) for entry in pod_scores])
         grace_s = self._service.settings.disconnected_grace_s
         states = None if request.states is None else frozenset(request.states)
         vouched: list[PodScore] = []
         others: list[PodScore] = []
         by_score = request.rank == "score"
-        for entry in pod_scores:
-            health = health_of(entry.pod_id, entry.dp_rank)
+        replace = msgspec.structs.replace
+        for entry, health in zip(pod_scores, healths, strict=True):
             if health is None:  # entries no stream feeds (an index filled directly): as they are
                 vouched.append(entry)
                 continue
@@ -200,9 +200,7 @@ class ScoreHandler:
                     continue
             elif health.disconnected_for_s is not None and health.disconnected_for_s > grace_s:
                 continue
-            entry = msgspec.structs.replace(
-                entry, state=health.state, last_event_age_s=health.last_event_age_s
-            )
+            entry = replace(entry, state=health.state, last_event_age_s=health.last_event_age_s)
             (vouched if by_score or health.state in VOUCHED_STATES else others).append(entry)
         return vouched + others if others else vouched
 

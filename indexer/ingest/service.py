@@ -327,16 +327,31 @@ class IngestService:
         return Readiness(True, None, live)
 
     def pod_health(self, pod_id: str, dp_rank: int) -> PodHealth | None:
-        stream = self._streams.get(PodRef(pod_id, dp_rank))
-        if stream is None:
-            return None
+        return self.pod_healths([(pod_id, dp_rank)])[0]
+
+    def pod_healths(self, pods: Sequence[tuple[str, int]]) -> list[PodHealth | None]:
+        """The health of each (pod id, dp rank), None for one no stream feeds; one clock reading for all
+        (a score answer reads every scored pod's at once)."""
         now = time.monotonic()
-        state = self._state_of(stream, now)
-        return PodHealth(
-            state=state,
-            last_event_age_s=None if stream.last_live_at is None else now - stream.last_live_at,
-            disconnected_for_s=now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
-        )
+        get = self._streams.get
+        state_of = self._state_of
+        healths: list[PodHealth | None] = []
+        append = healths.append
+        for pod_id, dp_rank in pods:
+            stream = get(PodRef(pod_id, dp_rank))
+            if stream is None:
+                append(None)
+                continue
+            state = state_of(stream, now)
+            last_live_at = stream.last_live_at
+            append(
+                PodHealth(
+                    state,
+                    None if last_live_at is None else now - last_live_at,
+                    now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
+                )
+            )
+        return healths
 
     def view_flagged(self, ref: PodRef) -> bool:
         """Whether the stream `ref`'s view may miss history (partial_view or resyncing); cheap."""
