@@ -177,7 +177,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--big", action="store_true", help="also measure memory at 10M pairs (slow)")
     parser.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if it is installed")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each service this many times per workload, interleaved; report the median round's ingest "
+        "and memory and p50/p99 over every round's requests (a shared machine's speed drifts within minutes)",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(only) - set(WORKLOADS))
     if unknown:
@@ -195,7 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         dynamo_ok, dynamo_reason = available()
     print(f"Dynamo: {dynamo_reason}" if dynamo_ok else f"Dynamo: not available ({dynamo_reason})")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
-    report: dict[str, Any] = {"quick": args.quick, "dynamo": dynamo_reason if dynamo_ok else None}
+    if args.rounds > 1:
+        print(
+            f"rounds: {args.rounds} per service and workload, interleaved (median ingest, pooled latencies)"
+        )
+    report: dict[str, Any] = {
+        "quick": args.quick,
+        "rounds": args.rounds,
+        "dynamo": dynamo_reason if dynamo_ok else None,
+    }
     summary: dict[str, tuple[float | None, float | None]] = {}  # target -> (kvindex figure, Dynamo figure)
 
     if {"ingest", "score", "memory"} & set(args.only):
@@ -213,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             query_kinds=("tokens", "hashes") if measure_queries else ("tokens",),
             ingest_timeout_s=60 if args.quick else 900,
             log=log,
+            rounds=args.rounds,
         )
         report["main"] = {name: result.to_json() for name, result in results.items()}
         for name, result in results.items():
@@ -309,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 query_kinds=("tokens",),
                 ingest_timeout_s=60 if args.quick else 900,
                 log=log,
+                rounds=args.rounds,
             )
             report["scale"].append({name: result.to_json() for name, result in results.items()})
             ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")

@@ -79,3 +79,52 @@ def test_lean_payloads_are_the_bytes_of_the_full_workload() -> None:
     payloads, num_events, num_blocks = build_payloads(spec)
     assert payloads == [encode_engine(engine) for engine in workload.engines]
     assert (num_events, num_blocks) == (workload.num_events, workload.num_blocks) == (num_events, 900)
+
+
+def test_two_rounds_run_the_service_twice_and_pool_its_requests(tmp_path: Path) -> None:
+    env = dict(os.environ, KVINDEX_DYNAMO_PYTHON=str(tmp_path / "no-such-python"))
+    args = ["--quick", "--only", "ingest,score", "--rounds", "2", "--json", str(tmp_path / "r.json")]
+    result = _run(args, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rounds: 2 per service and workload" in result.stdout
+    assert result.stderr.count("kvindex: 4 engines x 200 blocks (round") == 2
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["rounds"] == 2
+    idle = report["main"]["kvindex"]["idle"]
+    assert idle["tokens"]["checked"] == idle["tokens"]["correct"] == 40  # 20 prompts per round
+
+
+def test_rounds_below_one_are_refused() -> None:
+    result = _run(["--rounds", "0"])
+    assert result.returncode == 2
+    assert "--rounds must be at least 1, got 0" in result.stderr
+
+
+def test_merged_rounds_take_the_median_ingest_and_pool_every_rounds_latencies() -> None:
+    from benchmarks.compare import Latencies, SubjectResult, merge_rounds
+
+    def round_of(ingest_s: float, samples: list[float], error: str | None = None) -> SubjectResult:
+        return SubjectResult(
+            "kvindex",
+            pairs=1000,
+            ingest_s=ingest_s,
+            rss_before=0,
+            rss_after=int(ingest_s * 1000),
+            idle={"tokens": Latencies(samples, checked=len(samples), correct=len(samples))},
+            error=error,
+        )
+
+    merged = merge_rounds(
+        [
+            round_of(3.0, [0.3]),
+            round_of(1.0, [0.1, 0.2]),
+            round_of(9.0, [], "TimeoutError"),
+            round_of(2.0, [0.4]),
+        ]
+    )
+    # rounds that ran: 1.0, 2.0, 3.0 s; the median is 2.0 s, and its memory figure comes with it
+    assert merged.ingest_s == 2.0 and merged.rss_after == 2000 and merged.error is None
+    assert sorted(merged.idle["tokens"].samples_s) == [0.1, 0.2, 0.3, 0.4]
+    assert merged.idle["tokens"].checked == 4
+    failed = merge_rounds([round_of(1.0, [], "RuntimeError: a"), round_of(1.0, [], "RuntimeError: b")])
+    assert failed.error == "RuntimeError: b"
