@@ -451,6 +451,21 @@ batch_op(Batch *batch)
     return op;
 }
 
+/* A store or removal of `count` keys from `first` in the batch's buffer. */
+static int
+keys_op(Batch *batch, uint8_t kind, uint32_t entry, size_t first, size_t count)
+{
+    Op *op = batch_op(batch);
+    if (op == NULL) {
+        return -1;
+    }
+    op->kind = kind;
+    op->entry = entry;
+    op->first = first;
+    op->count = count;
+    return 0;
+}
+
 /* The entry id of an event's tier for this pod, from the facade's table (absent: declined). */
 static int
 tier_entry(ShardObject *self, PyObject *event, PyObject *tier_entry_ids, uint32_t *entry)
@@ -476,6 +491,24 @@ tier_entry(ShardObject *self, PyObject *event, PyObject *tier_entry_ids, uint32_
     return READ_OK;
 }
 
+/* A store's or removal's entry id (from its tier) and its keys, appended to the batch's buffer. */
+static int
+entry_and_keys(ShardObject *self, PyObject *event, PyObject *tier_entry_ids, Batch *batch, uint32_t *entry,
+               size_t *count)
+{
+    int status = tier_entry(self, event, tier_entry_ids, entry);
+    if (status != READ_OK) {
+        return status;
+    }
+    PyObject *keys = PyObject_GetAttr(event, S_BLOCK_KEYS);
+    if (keys == NULL) {
+        return READ_ERROR;
+    }
+    status = batch_keys(batch, keys, count);
+    Py_DECREF(keys);
+    return status;
+}
+
 /* Mirrors KVIndex._validate: the same steps, as operations over one key buffer. */
 static int
 read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObject *const *kinds, Batch *batch)
@@ -492,16 +525,7 @@ read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObje
         uint32_t entry;
         size_t first = batch->num_keys, count = 0;
         if ((PyObject *)type == kinds[0]) { /* BlocksStored */
-            if ((status = tier_entry(self, event, tier_entry_ids, &entry)) != READ_OK) {
-                return status;
-            }
-            PyObject *keys = PyObject_GetAttr(event, S_BLOCK_KEYS);
-            if (keys == NULL) {
-                return READ_ERROR;
-            }
-            status = batch_keys(batch, keys, &count);
-            Py_DECREF(keys);
-            if (status != READ_OK) {
+            if ((status = entry_and_keys(self, event, tier_entry_ids, batch, &entry, &count)) != READ_OK) {
                 return status;
             }
             PyObject *parent = PyObject_GetAttr(event, S_PARENT_KEY);
@@ -534,14 +558,9 @@ read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObje
                 Py_DECREF(parent);
             }
             if (count) {
-                Op *store = batch_op(batch);
-                if (store == NULL) {
+                if (keys_op(batch, OP_STORE, entry, first, count) < 0) {
                     return READ_ERROR;
                 }
-                store->kind = OP_STORE;
-                store->entry = entry;
-                store->first = first;
-                store->count = count;
                 last_is_store = 1;
                 last_op = batch->num_ops - 1;
                 last_entry = entry;
@@ -554,27 +573,11 @@ read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObje
         }
         last_is_store = 0;
         if ((PyObject *)type == kinds[1]) { /* BlocksRemoved */
-            if ((status = tier_entry(self, event, tier_entry_ids, &entry)) != READ_OK) {
+            if ((status = entry_and_keys(self, event, tier_entry_ids, batch, &entry, &count)) != READ_OK) {
                 return status;
             }
-            PyObject *keys = PyObject_GetAttr(event, S_BLOCK_KEYS);
-            if (keys == NULL) {
+            if (count && keys_op(batch, OP_REMOVE, entry, first, count) < 0) {
                 return READ_ERROR;
-            }
-            status = batch_keys(batch, keys, &count);
-            Py_DECREF(keys);
-            if (status != READ_OK) {
-                return status;
-            }
-            if (count) {
-                Op *remove = batch_op(batch);
-                if (remove == NULL) {
-                    return READ_ERROR;
-                }
-                remove->kind = OP_REMOVE;
-                remove->entry = entry;
-                remove->first = first;
-                remove->count = count;
             }
         }
         else if ((PyObject *)type == kinds[2]) { /* AllBlocksCleared */
