@@ -150,34 +150,33 @@ remove_keys(ShardObject *self, uint32_t entry, const uint64_t *keys, Py_ssize_t 
     }
 }
 
-/* Drop one copy of each key this entry holds (a removal is not a store: nothing moves in either LRU). */
+/* Drop one copy of each key this entry holds (a removal is not a store: nothing moves in either LRU). The
+ * keys are all read first: a bad one removes nothing. */
 static int
 remove_step(ShardObject *self, uint32_t entry, PyObject *keys, Py_ssize_t *counts)
 {
     PyObject *fast = PySequence_Fast(keys, "a remove step's keys must be a sequence");
-    Py_ssize_t removed = 0, released = 0, num_keys;
     if (fast == NULL) {
         return -1;
     }
-    num_keys = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t num_keys = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *buffer = PyMem_Malloc(num_keys ? (size_t)num_keys * sizeof(uint64_t) : 1);
+    if (buffer == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < num_keys; i++) {
-        uint64_t key = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (key == (uint64_t)-1 && PyErr_Occurred()) {
+        buffer[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (buffer[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyMem_Free(buffer);
             Py_DECREF(fast);
             return -1;
         }
-        remove_key(self, entry, key, &removed, &released);
     }
     Py_DECREF(fast);
-    counts[C_REMOVED] += removed;
-    counts[C_RELEASED] += released;
-    counts[C_MISSING] += num_keys - removed - released;
-    if (removed) {
-        self->live[entry] -= removed;
-        if (!self->live[entry]) {
-            log_drop(&self->logs[entry]);
-        }
-    }
+    remove_keys(self, entry, buffer, num_keys, counts);
+    PyMem_Free(buffer);
     return 0;
 }
 
