@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import difflib
 import re
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
+from kvindex.api import token_ids as token_id_reader
 from kvindex.indexer.scorer import PodScore
 from kvindex.indexer.status import ALL_STATES, PodStatus
 from msgspec import Meta
@@ -51,7 +54,8 @@ class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `token_id` must hear that it was not understood, not get a score for something else."""
 
     model: str | None = None
-    token_ids: list[TokenId] | None = None
+    # Decoded as a list; the compiled reader hands over an array('I') of the same ids (decode_score_request).
+    token_ids: Sequence[TokenId] | None = None
     block_hashes: list[EventBlockHash] | None = None
     lora_name: str | None = None
     lora_path: str | None = None
@@ -138,6 +142,20 @@ class StatusResponse(msgspec.Struct, frozen=True):
 
 
 SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
+
+
+def _with_raw_token_ids() -> type[msgspec.Struct]:
+    """ScoreRequest with token_ids left as raw JSON (an empty Raw when absent), for the compiled reader."""
+    fields: list[tuple[str, object, object]] = []
+    for info in msgspec.structs.fields(ScoreRequest):
+        if info.name == "token_ids":
+            fields.append((info.name, msgspec.Raw, msgspec.field(default_factory=msgspec.Raw)))
+        else:
+            fields.append((info.name, info.type, info.default))
+    return msgspec.defstruct("ScoreRequestRawIds", fields, frozen=True, forbid_unknown_fields=True)
+
+
+_RAW_IDS_DECODER = msgspec.json.Decoder(_with_raw_token_ids())
 JSON_ENCODER = msgspec.json.Encoder()
 
 _PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -157,7 +175,31 @@ _INSTEAD = {
 
 
 def decode_score_request(body: bytes) -> ScoreRequest:
-    """Decode a request body; malformed JSON or a wrong type raises RequestError naming the field."""
+    """Decode a request body; malformed JSON or a wrong type raises RequestError naming the field.
+
+    With the compiled reader, plain token ids come back as an array('I') read straight from the JSON;
+    every other body, and every failure, is decode_score_request_exact's (the same values or error).
+    """
+    pack = token_id_reader.pack_json_ids
+    if pack is not None:
+        try:
+            raw = _RAW_IDS_DECODER.decode(body)
+        except msgspec.DecodeError:  # ValidationError included: the exact decoder names the field
+            return decode_score_request_exact(body)
+        fields = msgspec.structs.asdict(raw)
+        raw_ids = fields.pop("token_ids")
+        if not raw_ids:  # absent
+            return ScoreRequest(**fields)
+        packed = pack(raw_ids)
+        if packed is not None:
+            ids = array("I")
+            ids.frombytes(packed)
+            return ScoreRequest(token_ids=ids, **fields)
+    return decode_score_request_exact(body)
+
+
+def decode_score_request_exact(body: bytes) -> ScoreRequest:
+    """decode_score_request by msgspec alone (token ids as a list): the reference, and the fallback."""
     try:
         return SCORE_REQUEST_DECODER.decode(body)
     except msgspec.ValidationError as exc:

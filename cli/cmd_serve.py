@@ -164,12 +164,14 @@ def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None
 
 def _log_settings(service: IngestService, config: ServeConfig) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
+    from kvindex.api import token_ids as request_reader
     from kvindex.hashing import compiled as hash_core
     from kvindex.indexer import compiled as index_core
 
     logger.info("GIL switch interval %.3g ms", sys.getswitchinterval() * 1000)
     logger.info("%s", hash_core.describe())
     logger.info("%s", index_core.describe())
+    logger.info("%s", request_reader.describe())
     if config.api_key_source is None:
         logger.info("HTTP API: no API key, /v1/* is open to whoever reaches the port")
     else:  # never the key itself

@@ -39,7 +39,8 @@ from kvindex.hashing.memo import DigestMemo, LowCheck
 # conversations that share a system prompt.
 DEFAULT_MEMO_SIZE: Final = 32768
 # Bytes per token in the memo's packed keys.
-_KEY_ITEMSIZE: Final = array("I").itemsize
+_PACKED_TYPECODE: Final = "I"
+_KEY_ITEMSIZE: Final = array(_PACKED_TYPECODE).itemsize
 
 _IntTuple = tuple[int, ...]
 _NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
@@ -237,6 +238,11 @@ class BlockHasher:
             prompt_embeds_digests=prompt_embeds_digests,
             lookahead=lookahead,
         )
+        if type(token_ids) is array:
+            # Packed ids (the score API's compiled reader): already exact ints in [0, 2**32).
+            if token_ids.typecode == _PACKED_TYPECODE and self._memo is not None and request_extras.is_plain:
+                return self._chain_packed(self._memo, token_ids.tobytes(), token_ids)
+            token_ids = token_ids.tolist()
         if self._memo is not None and request_extras.is_plain and type(token_ids) in (list, tuple):
             digests = None
             if self._compiled is not None:
@@ -256,6 +262,11 @@ class BlockHasher:
         token_bytes = core.pack_ids(token_ids)
         if token_bytes is None:
             return None
+        return self._chain_packed(memo, token_bytes, token_ids)
+
+    def _chain_packed(self, memo: DigestMemo, token_bytes: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """The memoised chain of plain blocks whose ids are known to be exact ints in [0, 2**32) and
+        packed as `token_bytes` (array('I') bytes): no id needs checking, only the memo's misses hashing."""
         block_size = self._block_size
         block_width = _KEY_ITEMSIZE * block_size
         num_blocks = len(token_ids) // block_size
@@ -267,6 +278,8 @@ class BlockHasher:
         first_new = len(digests)
         if first_new < num_blocks:
             rest = token_ids[first_new * block_size : num_blocks * block_size]
+            if type(rest) is array:
+                rest = rest.tolist()
             self._hash_blocks(rest, None, first_new, num_blocks, digests)
             memo.record(
                 self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,26 @@ def test_case(case_id: str, memo_size: int) -> None:
         assert extra_keys == [None] * len(expected["block_hashes_hex"])
     else:
         assert extra_keys == expected["event_extra_keys"]
+
+
+@pytest.mark.parametrize("case_id", sorted(_CASES))
+def test_case_from_packed_ids(case_id: str) -> None:
+    """The score API's compiled reader hands the hasher an array('I'): the same digests, memo or not."""
+    case = _CASES[case_id]
+    tokens = _VECTORS["prompts"][case["prompt"]]
+    if any(token >= 2**32 for token in tokens):
+        pytest.skip("ids of 2**32 or more never come packed")
+    expected = case["expected"]
+    keywords = _keywords(case)
+    for memo_size in (0, 4096):
+        hasher = BlockHasher(
+            algo=case["algo"], block_size=case["block_size"], seed=case["seed"], memo_size=memo_size
+        )
+        for _ in range(2):
+            packed = array("I", tokens)
+            assert [d.hex() for d in hasher.block_hashes(packed, **keywords)] == expected["block_hashes_hex"]
+            assert hasher.event_hashes(packed, **keywords) == expected["event_hashes"]
+            assert hasher.event_hashes(tokens, **keywords) == expected["event_hashes"]  # shares the memo
 
 
 def test_raw_extra_key_cases_event_keys_match_blockpool_shape() -> None:

@@ -1,0 +1,3 @@
+import msgspec
+
+def pack_json_ids(data: bytes | msgspec.Raw, /) -> bytes | None: ...
