@@ -142,20 +142,6 @@ class StatusResponse(msgspec.Struct, frozen=True):
 
 
 SCORE_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
-
-
-def _with_raw_token_ids() -> type[msgspec.Struct]:
-    """ScoreRequest with token_ids left as raw JSON (an empty Raw when absent), for the compiled reader."""
-    fields: list[tuple[str, object, object]] = []
-    for info in msgspec.structs.fields(ScoreRequest):
-        if info.name == "token_ids":
-            fields.append((info.name, msgspec.Raw, msgspec.field(default_factory=msgspec.Raw)))
-        else:
-            fields.append((info.name, info.type, info.default))
-    return msgspec.defstruct("ScoreRequestRawIds", fields, frozen=True, forbid_unknown_fields=True)
-
-
-_RAW_IDS_DECODER = msgspec.json.Decoder(_with_raw_token_ids())
 JSON_ENCODER = msgspec.json.Encoder()
 
 _PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -177,24 +163,21 @@ _INSTEAD = {
 def decode_score_request(body: bytes) -> ScoreRequest:
     """Decode a request body; malformed JSON or a wrong type raises RequestError naming the field.
 
-    With the compiled reader, plain token ids come back as an array('I') read straight from the JSON;
-    every other body, and every failure, is decode_score_request_exact's (the same values or error).
+    With the compiled reader, plain token ids come back as an array('I') read straight from the JSON (the
+    rest of the body is decoded with them replaced by null); every other body, and every failure, is
+    decode_score_request_exact's (the same values or error).
     """
-    pack = token_id_reader.pack_json_ids
-    if pack is not None:
+    find = token_id_reader.find_token_ids
+    found = None if find is None else find(body)
+    if found is not None:
+        packed, start, stop = found
         try:
-            raw = _RAW_IDS_DECODER.decode(body)
+            rest = SCORE_REQUEST_DECODER.decode(body[:start] + b"null" + body[stop:])
         except msgspec.DecodeError:  # ValidationError included: the exact decoder names the field
             return decode_score_request_exact(body)
-        fields = msgspec.structs.asdict(raw)
-        raw_ids = fields.pop("token_ids")
-        if not raw_ids:  # absent
-            return ScoreRequest(**fields)
-        packed = pack(raw_ids)
-        if packed is not None:
-            ids = array("I")
-            ids.frombytes(packed)
-            return ScoreRequest(token_ids=ids, **fields)
+        ids = array("I")
+        ids.frombytes(packed)
+        return msgspec.structs.replace(rest, token_ids=ids)
     return decode_score_request_exact(body)
 
 
