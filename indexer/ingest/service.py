@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol, cast
+from typing import cast
 
 import zmq
 from kvindex.indexer.events import PodRef
@@ -56,10 +56,6 @@ from kvindex.replay.subscriber import Subscriber
 log = logging.getLogger("kvindex.indexer.ingest")
 
 _LISTEN_SOURCE = "listen"
-
-
-class _CountedStore(Protocol):
-    def pod_block_counts(self) -> dict[PodRef, int]: ...
 
 
 _WATCH_INTERVAL_S = 0.1
@@ -277,14 +273,11 @@ class IngestService:
         return self.models.names()
 
     def pod_statuses(self) -> list[PodStatus]:
-        """Every stream's status. With a shared store the block counts are read from it (one round trip
-        per model; StoreUnavailable if it cannot be reached)."""
+        """Every stream's status; the block counts in one read of each model's store (with a shared store,
+        one round trip per model; StoreUnavailable if it cannot be reached)."""
         now = time.monotonic()
         streams = sorted(self._streams.all(), key=lambda s: s.ref)
-        counts: dict[str, dict[PodRef, int]] = {}
-        if self.leases is not None:
-            for runtime in self.models:
-                counts[runtime.config.name] = cast(_CountedStore, runtime.index).pod_block_counts()
+        counts = {runtime.config.name: runtime.index.pod_block_counts() for runtime in self.models}
         return [self._status(stream, now, counts.get(stream.model)) for stream in streams]
 
     def applied_seqs(self) -> dict[PodRef, int | None]:

@@ -113,6 +113,7 @@ class TestKVIndexConformance:
         assert holders_of(index, keys[1]) == {(POD_A, TIER_GPU), (POD_A, TIER_CPU)}
         assert index.pod_block_count(POD_A, TIER_GPU) == 1
         assert index.pod_block_count(POD_A, TIER_CPU) == 2
+        assert index.pod_block_counts() == {POD_A: 3}  # every tier, each block once per tier
         assert index.check_consistency() == []
 
     def test_remove_of_unheld_block_is_counted_and_harmless(self, index: Store) -> None:
@@ -280,6 +281,13 @@ class TestKVIndexConformance:
         for pod in pods:
             held = sum(1 for holders in snapshot.values() for p, _ in holders if p == pod)
             assert index.pod_block_count(pod) == held
+        counts = index.pod_block_counts()
+        assert {pod: n for pod, n in counts.items() if n} == {
+            pod: index.pod_block_count(pod) for pod in index.pods()
+        }
+        assert set(counts) <= set(pods)
+        for pod in pods:
+            held = index.pod_block_count(pod)
             assert index.clear_pod(pod) == held
         assert index.num_keys() == 0 and index.num_entries() == 0
         assert index.check_consistency() == []
