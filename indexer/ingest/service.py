@@ -59,6 +59,9 @@ _LISTEN_SOURCE = "listen"
 
 
 _WATCH_INTERVAL_S = 0.1
+# Event ages are reported to the millisecond: finer is noise to a router, and each score entry's age
+# was 17 significant digits of JSON (a tenth of the entry) for its client to parse.
+AGE_DECIMALS = 3
 
 
 def _likely_cause(stream: Stream, state: str, now: float, settings: IngestSettings) -> str:
@@ -340,7 +343,7 @@ class IngestService:
             append(
                 PodHealth(
                     state,
-                    None if last_live_at is None else now - last_live_at,
+                    None if last_live_at is None else round(now - last_live_at, AGE_DECIMALS),
                     now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
                 )
             )
@@ -370,7 +373,9 @@ class IngestService:
             endpoint=stream.endpoint,
             state=self._state_of(stream, now),
             last_seq=stream.indexed_seq,
-            last_event_age_s=None if stream.last_live_at is None else now - stream.last_live_at,
+            last_event_age_s=(
+                None if stream.last_live_at is None else round(now - stream.last_live_at, AGE_DECIMALS)
+            ),
             events_total=stream.events_total,
             gaps_total=tracker.num_gaps,
             replays_total=stream.replays_total,

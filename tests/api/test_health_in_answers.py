@@ -74,6 +74,7 @@ def test_a_killed_engine_is_flagged_then_left_out_then_forgotten(
         answer = score(server, body)
         assert [(e["pod"], e["state"]) for e in answer["scores"]] == [("pod-a", "live"), ("pod-b", "live")]
         assert all(e["last_event_age_s"] >= 0 for e in answer["scores"])
+        assert all(round(e["last_event_age_s"], 3) == e["last_event_age_s"] for e in answer["scores"])  # ms
 
         def logged(text: str) -> bool:
             return any(
