@@ -59,9 +59,13 @@ _LISTEN_SOURCE = "listen"
 
 
 _WATCH_INTERVAL_S = 0.1
-# Event ages are reported to the millisecond: finer is noise to a router, and each score entry's age
-# was 17 significant digits of JSON (a tenth of the entry) for its client to parse.
-AGE_DECIMALS = 3
+
+
+def age_ms(now: float, at: float) -> float:
+    """Seconds from `at` to `now` (monotonic, so never negative) to the millisecond: finer is noise to a
+    router, and each score entry's age was 17 significant digits of JSON (a tenth of the entry) for its
+    client to parse. Not round(): it formats the float to round it (~290 ns against ~70 here)."""
+    return int((now - at) * 1000.0 + 0.5) / 1000.0
 
 
 def _likely_cause(stream: Stream, state: str, now: float, settings: IngestSettings) -> str:
@@ -343,7 +347,7 @@ class IngestService:
             append(
                 PodHealth(
                     state,
-                    None if last_live_at is None else round(now - last_live_at, AGE_DECIMALS),
+                    None if last_live_at is None else age_ms(now, last_live_at),
                     now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
                 )
             )
@@ -373,9 +377,7 @@ class IngestService:
             endpoint=stream.endpoint,
             state=self._state_of(stream, now),
             last_seq=stream.indexed_seq,
-            last_event_age_s=(
-                None if stream.last_live_at is None else round(now - stream.last_live_at, AGE_DECIMALS)
-            ),
+            last_event_age_s=None if stream.last_live_at is None else age_ms(now, stream.last_live_at),
             events_total=stream.events_total,
             gaps_total=tracker.num_gaps,
             replays_total=stream.replays_total,

@@ -152,6 +152,8 @@ class StreamTable:
         self.leased = leased
         self._lock = threading.Lock()
         self._by_ref: dict[PodRef, Stream] = {}
+        # The stream of a ref, or None: the dict's own get (a score answer looks up every scored pod).
+        self.get = self._by_ref.get
         # Read on the poller's hot path without the lock (never written after start).
         self.by_source: dict[str, Stream] = {}
 
@@ -167,9 +169,6 @@ class StreamTable:
         stream.owned = not self.leased
         with self._lock:
             return self._by_ref.setdefault(stream.ref, stream)
-
-    def get(self, ref: PodRef) -> Stream | None:
-        return self._by_ref.get(ref)
 
     def all(self) -> list[Stream]:
         with self._lock:
