@@ -138,12 +138,18 @@ class Subscriber:
 
     def _read_messages(self, sock: zmq.Socket[bytes], source_id: str) -> None:
         on_frames = self._on_frames
-        recv_multipart = sock.recv_multipart
+        recv = sock.recv
         for _ in range(MAX_BATCH_PER_SOCKET):
+            # recv_multipart asks getsockopt(RCVMORE) after every frame, building an Enum each time; a
+            # Frame says `more` itself (30% less per 3-frame message, min of 7 x 30,000).
             try:
-                frames = recv_multipart(zmq.NOBLOCK)
+                frame = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [frame.bytes]
+            while frame.more:  # the rest of a multipart message arrives with its first frame
+                frame = recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame.bytes)
             self.num_messages += 1
             try:
                 on_frames(source_id, frames)
