@@ -62,10 +62,11 @@ _WATCH_INTERVAL_S = 0.1
 
 
 def age_ms(now: float, at: float) -> float:
-    """Seconds from `at` to `now` (monotonic, so never negative) to the millisecond: finer is noise to a
-    router, and each score entry's age was 17 significant digits of JSON (a tenth of the entry) for its
-    client to parse. Not round(): it formats the float to round it (~290 ns against ~70 here)."""
-    return int((now - at) * 1000.0 + 0.5) / 1000.0
+    """Seconds from `at` to `now` to the millisecond: finer is noise to a router, and each score entry's
+    age was 17 significant digits of JSON (a tenth of the entry) for its client to parse. Not round(): it
+    formats the float to round it (~290 ns against ~70 here). Never negative, though a worker may stamp
+    `at` just after `now` was read."""
+    return max(0, int((now - at) * 1000.0 + 0.5)) / 1000.0
 
 
 def _likely_cause(stream: Stream, state: str, now: float, settings: IngestSettings) -> str:
