@@ -1,9 +1,9 @@
 """The optional compiled cores (kvindex.hashing._chain, kvindex.indexer._shard and ._payload,
-kvindex.api._token_ids); the rest is in pyproject.toml.
+kvindex.api._token_ids and ._answer); the rest is in pyproject.toml.
 
 The hash core is built when a C compiler and OpenSSL's headers (Debian: libssl-dev) are present, the index
-core and the request reader when a C compiler is. Without them the install still succeeds, with a one-line
-warning per core, and kvindex runs the pure-Python reference in its place.
+core, the request reader and the answer writer when a C compiler is. Without them the install still
+succeeds, with a one-line warning per core, and kvindex runs the pure-Python reference in its place.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ setup(
         ),
         Extension("kvindex.indexer._payload", sources=["indexer/_payload.c"], extra_compile_args=["-O2"]),
         Extension("kvindex.api._token_ids", sources=["api/_token_ids.c"], extra_compile_args=["-O2"]),
+        Extension("kvindex.api._answer", sources=["api/_answer.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

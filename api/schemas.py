@@ -80,6 +80,16 @@ class ScoreResponse(msgspec.Struct, frozen=True):
     unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
+class EncodedScoreResponse(msgspec.Struct, frozen=True):
+    """ScoreResponse with its `scores` already JSON (api/answer.py writes them): the same bytes."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    scores: msgspec.Raw
+    unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
 class PodsResponse(msgspec.Struct, frozen=True):
     pods: list[PodStatus]
 

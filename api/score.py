@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from aiohttp import web
+from kvindex.api.answer import AnswerPolicy, scores_json
 from kvindex.api.metrics import RequestMetrics
 from kvindex.api.schemas import (
     JSON_ENCODER,
+    EncodedScoreResponse,
     RequestError,
     ScoreRequest,
-    ScoreResponse,
     decode_score_request,
     validate_score_request,
 )
@@ -27,8 +28,7 @@ from kvindex.api.settings import ApiSettings
 from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRuntime
-from kvindex.indexer.scorer import PodScore, score_prefix
-from kvindex.indexer.status import VOUCHED_STATES, IngestView
+from kvindex.indexer.status import IngestView
 
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
@@ -128,6 +128,7 @@ class ScoreHandler:
         self._metrics = metrics
         self._executor = executor
         self._store_executor = store_executor
+        self._tier_weights = dict(settings.tier_weights)
         self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS)
         self._worker_hashers = PromptHashers()  # used only on the executor's single thread
         # model -> pod ids of its streams, for `unknown_pods` (see _unknown_pods)
@@ -146,63 +147,40 @@ class ScoreHandler:
             # A remote store's round trip (or its timeout, when it is unreachable) must not hold up the
             # event loop: health checks and other requests go on meanwhile.
             loop = asyncio.get_running_loop()
-            scored, unknown_pods = await loop.run_in_executor(
-                self._store_executor, self._read_index, runtime, block_keys, score_request
+            scores, best, unknown_pods = await loop.run_in_executor(
+                self._store_executor, self._answer, runtime, block_keys, score_request
             )
         else:
-            scored, unknown_pods = self._read_index(runtime, block_keys, score_request)
-        response = ScoreResponse(
+            scores, best, unknown_pods = self._answer(runtime, block_keys, score_request)
+        response = EncodedScoreResponse(
             model=config.name,
             block_size=config.block_size,
             num_blocks=len(block_keys),
-            scores=self._with_health(scored, score_request),
+            scores=msgspec.Raw(scores),
             unknown_pods=unknown_pods,
         )
-        best = response.scores[0].matched_blocks if response.scores else 0
         self._metrics.observe_score(started, best)
         return web.Response(body=JSON_ENCODER.encode(response), content_type="application/json")
 
-    def _read_index(
+    def _answer(
         self, runtime: ModelRuntime, block_keys: list[int], request: ScoreRequest
-    ) -> tuple[list[PodScore], list[str] | msgspec.UnsetType]:
-        """The index's part of a score: the prefix scores and the unknown pods (any thread)."""
+    ) -> tuple[bytes, int, list[str] | msgspec.UnsetType]:
+        """The index's part of a score (any thread): the `scores` JSON, the best match, the unknown pods."""
         config = runtime.config
-        scored = score_prefix(
-            runtime.index,
-            block_keys,
+        policy = AnswerPolicy(
             block_size=config.block_size,
-            tier_weights=self._settings.tier_weights,
+            tier_weights=self._tier_weights,
             unknown_tier_weight=self._settings.unknown_tier_weight,
-            pods=request.pods,
             report_tiers=ALWAYS_REPORTED_TIERS,
+            grace_s=self._service.settings.disconnected_grace_s,
+            states=None if request.states is None else frozenset(request.states),
+            by_score=request.rank == "score",
         )
+        holder_ids = runtime.index.lookup_ids(block_keys, request.pods)
+        scores, best = scores_json(runtime.index, holder_ids, self._service.pod_healths, policy)
         if request.pods is None:
-            return scored, msgspec.UNSET
-        return scored, self._unknown_pods(runtime, request.pods)
-
-    def _with_health(self, pod_scores: list[PodScore], request: ScoreRequest) -> list[PodScore]:
-        """Each entry with its pod's state and event age; pods outside the asked states (by default:
-        disconnected past the grace) left out; with rank "trust", vouched pods first (each group keeps
-        the scorer's best-first order)."""
-        healths = self._service.pod_healths([(entry.pod_id, entry.dp_rank) for entry in pod_scores])
-        grace_s = self._service.settings.disconnected_grace_s
-        states = None if request.states is None else frozenset(request.states)
-        vouched: list[PodScore] = []
-        others: list[PodScore] = []
-        by_score = request.rank == "score"
-        replace = msgspec.structs.replace
-        for entry, health in zip(pod_scores, healths, strict=True):
-            if health is None:  # entries no stream feeds (an index filled directly): as they are
-                vouched.append(entry)
-                continue
-            if states is not None:
-                if health.state not in states:
-                    continue
-            elif health.disconnected_for_s is not None and health.disconnected_for_s > grace_s:
-                continue
-            entry = replace(entry, state=health.state, last_event_age_s=health.last_event_age_s)
-            (vouched if by_score or health.state in VOUCHED_STATES else others).append(entry)
-        return vouched + others if others else vouched
+            return scores, best, msgspec.UNSET
+        return scores, best, self._unknown_pods(runtime, request.pods)
 
     def _unknown_pods(self, runtime: ModelRuntime, pod_ids: list[str]) -> list[str]:
         """The ids no stream of this model has and the model's index never held, in request order.

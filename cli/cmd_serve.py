@@ -164,6 +164,7 @@ def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None
 
 def _log_settings(service: IngestService, config: ServeConfig) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
+    from kvindex.api import answer as answer_writer
     from kvindex.api import token_ids as request_reader
     from kvindex.hashing import compiled as hash_core
     from kvindex.indexer import compiled as index_core
@@ -172,6 +173,7 @@ def _log_settings(service: IngestService, config: ServeConfig) -> None:
     logger.info("%s", hash_core.describe())
     logger.info("%s", index_core.describe())
     logger.info("%s", request_reader.describe())
+    logger.info("%s", answer_writer.describe())
     if config.api_key_source is None:
         logger.info("HTTP API: no API key, /v1/* is open to whoever reaches the port")
     else:  # never the key itself

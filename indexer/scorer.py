@@ -60,7 +60,27 @@ def score_prefix(
     no leading block are omitted. Every tier in `report_tiers` is in each `by_tier`, first and in that
     order, with 0 when the pod's run there is empty (what a router indexing blindly needs).
     """
-    holder_ids = index.lookup_ids(block_keys, pods)
+    return score_holders(
+        index,
+        index.lookup_ids(block_keys, pods),
+        block_size=block_size,
+        tier_weights=tier_weights,
+        unknown_tier_weight=unknown_tier_weight,
+        report_tiers=report_tiers,
+    )
+
+
+def score_holders(
+    index: Store,
+    holder_ids: Sequence[HolderIds],
+    *,
+    block_size: int,
+    tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+    unknown_tier_weight: float = DEFAULT_UNKNOWN_TIER_WEIGHT,
+    report_tiers: Sequence[str] = (),
+) -> list[PodScore]:
+    """score_prefix from an answer of `index.lookup_ids` (the read path looks up once, whichever scorer
+    then runs)."""
     if not holder_ids:
         return []
     # Collapse the answer into runs of one holder set (a shared prefix is held by the same pods block

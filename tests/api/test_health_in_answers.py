@@ -11,12 +11,16 @@ from typing import Any
 
 import aiohttp
 import pytest
+from answer_paths import answer_writer  # noqa: F401  (a fixture)
 from api_harness import ServerThread, wait_until_ingested
 from engines import Engine
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
 from waiting import wait_for
+
+# Every score request here runs through both answer writers (api/answer.py).
+pytestmark = pytest.mark.usefixtures("answer_writer")
 
 MODEL = ModelConfig(name="m")
 BLOCK = 16

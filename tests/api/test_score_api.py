@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from answer_paths import answer_writer  # noqa: F401  (a fixture)
 from api_harness import ServerThread, reference_scores, start_service, wait_until_ingested
 from engines import Engine
 from hypothesis import given, settings
@@ -28,6 +29,9 @@ from kvindex.indexer.index import KVIndex
 from kvindex.indexer.ingest import IngestService
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.scorer import DEFAULT_TIER_WEIGHTS, score_prefix
+
+# Every score request here runs through both answer writers (api/answer.py).
+pytestmark = pytest.mark.usefixtures("answer_writer")
 
 VECTORS = json.loads((Path(__file__).parent.parent / "vectors" / "hash-vectors.json").read_text())
 BLOCK_SIZE = 16

@@ -1,0 +1,20 @@
+from collections.abc import Callable
+
+from kvindex.indexer.events import PodRef
+from kvindex.indexer.status import PodHealth
+
+def encode_scores(
+    holder_ids: list[tuple[int, ...]],
+    first_entries: list[tuple[PodRef, str]],
+    entry_of: Callable[[int], tuple[PodRef, str]],
+    healths: list[PodHealth | None],
+    tier_weights: dict[str, float],
+    unknown_tier_weight: float,
+    block_size: int,
+    report_tiers: tuple[str, ...],
+    states: frozenset[str] | None,
+    vouched_states: frozenset[str],
+    grace_s: float,
+    by_score: bool,
+    /,
+) -> tuple[bytes, int] | None: ...
