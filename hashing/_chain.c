@@ -356,6 +356,74 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return chain_impl(args[0], args[1], block_size, num_blocks, cbor);
 }
 
+PyDoc_STRVAR(chain_packed_doc,
+"chain_packed(parent, token_bytes, first, block_size, num_blocks, cbor, /)\n--\n\n"
+"chain() of the num_blocks blocks starting at token `first` of token_bytes, ids packed as native uint32\n"
+"(array('I').tobytes(), which every id fits): the score path's packed ids, hashed without a list of\n"
+"ints. None when parent has 256 bytes or more or block_size exceeds 4096.");
+
+static PyObject *
+chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t first, block_size, num_blocks, count, i;
+    int cbor;
+
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "chain_packed() takes 6 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "chain_packed() wants parent bytes and token bytes");
+        return NULL;
+    }
+    first = PyLong_AsSsize_t(args[2]);
+    block_size = PyLong_AsSsize_t(args[3]);
+    num_blocks = PyLong_AsSsize_t(args[4]);
+    cbor = PyObject_IsTrue(args[5]);
+    if (PyErr_Occurred() || cbor < 0) {
+        return NULL;
+    }
+    Py_ssize_t num_tokens = PyBytes_GET_SIZE(args[1]) / (Py_ssize_t)sizeof(uint32_t);
+    if (first < 0 || block_size < 1 || num_blocks < 0 || first > num_tokens ||
+        num_blocks > (num_tokens - first) / block_size) {
+        PyErr_SetString(PyExc_ValueError, "chain_packed() wants its blocks inside token_bytes");
+        return NULL;
+    }
+    if (block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
+        Py_RETURN_NONE;
+    }
+    count = num_blocks * block_size;
+    size_t preimage_cap = PREIMAGE_OVERHEAD + 11 * (size_t)block_size;
+    uint64_t *tokens = PyMem_Malloc(count > 0 ? (size_t)count * sizeof(uint64_t) : 1);
+    unsigned char *scratch = PyMem_Malloc(preimage_cap + (size_t)num_blocks * DIGEST_SIZE);
+    PyObject *result = NULL;
+    if (tokens == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *packed = PyBytes_AS_STRING(args[1]) + first * (Py_ssize_t)sizeof(uint32_t);
+    for (i = 0; i < count; i++) {
+        uint32_t id;
+        memcpy(&id, packed + i * (Py_ssize_t)sizeof(uint32_t), sizeof id);
+        tokens[i] = id;
+    }
+    chain_job job;
+    job.tokens = tokens;
+    job.block_size = block_size;
+    job.num_blocks = num_blocks;
+    job.cbor = cbor;
+    job.parent = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    job.parent_size = (size_t)PyBytes_GET_SIZE(args[0]);
+    job.preimage = scratch;
+    job.digests = scratch + preimage_cap;
+    result = finish_chain(&job);
+done:
+    PyMem_Free(tokens);
+    PyMem_Free(scratch);
+    return result;
+}
+
 PyDoc_STRVAR(pack_ids_doc,
 "pack_ids(tokens, /)\n--\n\n"
 "The token ids (a list or tuple) packed as native uint32, as array('I', tokens).tobytes() packs them;\n"
@@ -579,6 +647,7 @@ preimage(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef chain_methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
+    {"chain_packed", (PyCFunction)(void (*)(void))chain_packed, METH_FASTCALL, chain_packed_doc},
     {"pack_ids", pack_ids, METH_O, pack_ids_doc},
     {"segment_tags", (PyCFunction)(void (*)(void))segment_tags, METH_FASTCALL, segment_tags_doc},
     {"preimage", (PyCFunction)(void (*)(void))preimage, METH_FASTCALL, preimage_doc},

@@ -82,6 +82,28 @@ def test_chain_equals_the_reference(
 
 
 @given(
+    parent=parents,
+    tokens=st.lists(
+        st.one_of(st.sampled_from([0, 1, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1)), max_size=200
+    ),
+    block_size=block_sizes,
+    first_block=st.integers(0, 5),
+    cbor=st.booleans(),
+)
+@examples
+def test_chain_packed_equals_the_reference_from_any_block(
+    parent: bytes, tokens: list[int], block_size: int, first_block: int, cbor: bool
+) -> None:
+    core = require_extension()
+    first = min(first_block * block_size, len(tokens))
+    num_blocks = (len(tokens) - first) // block_size
+    packed = array("I", tokens).tobytes()
+    assert core.chain_packed(parent, packed, first, block_size, num_blocks, cbor) == reference_chain(
+        parent, tokens[first : first + num_blocks * block_size], block_size, cbor
+    )
+
+
+@given(
     tokens=st.lists(st.one_of(st.sampled_from(EDGE_IDS), st.integers(0, 2**20)), max_size=300),
     block_size=block_sizes,
     algo=st.sampled_from(HASH_ALGOS),
@@ -153,6 +175,13 @@ def test_bad_arguments_raise() -> None:
         core.chain(bytes(32), [1, 2], 0, 0, False)
     with pytest.raises(TypeError):
         core.chain(bytes(32), iter([1, 2]), 1, 2, False)  # type: ignore[arg-type]
+    packed = array("I", [1, 2, 3]).tobytes()
+    with pytest.raises(ValueError):
+        core.chain_packed(bytes(32), packed, 2, 2, 1, False)  # block 1 of 2 needs tokens 2..3
+    with pytest.raises(ValueError):
+        core.chain_packed(bytes(32), packed, -1, 1, 1, False)
+    with pytest.raises(TypeError):
+        core.chain_packed(bytes(32), [1, 2], 0, 1, 2, False)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         core.segment_tags(b"abc", 0, 2, 2)
     with pytest.raises(ValueError):
