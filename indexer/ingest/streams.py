@@ -62,6 +62,44 @@ class Stream:
     """One (pod, dp rank) publisher: its tracker and its status. Touched by its pod's worker only,
     except for plain attribute reads by the service's status and the poller's link flags."""
 
+    # Slots, the score path's fields first: a score answer reads ~200 streams' state, each a few cache
+    # lines away when the fields sat in a dict.
+    __slots__ = (
+        "last_live_at",
+        "tracker",
+        "connect_mode",
+        "connected",
+        "hash_mismatch",
+        "owned",
+        "ref",
+        "model",
+        "endpoint",
+        "replay_endpoint",
+        "snapshot_url",
+        "snapshot_id",
+        "snapshots_loaded",
+        "snapshot_check_due",
+        "ever_connected",
+        "created_at",
+        "connected_at",
+        "disconnected_at",
+        "forgotten",
+        "logged_state",
+        "last_probe_at",
+        "next_check_at",
+        "check_interval_s",
+        "events_total",
+        "replays_total",
+        "indexed_seq",
+        "counted",
+        "replay_token",
+        "hash_checks_total",
+        "hash_mismatches_total",
+        "sidecar_hash_mismatches",
+        "logged",
+        "own_pending",
+    )
+
     def __init__(
         self,
         ref: PodRef,
