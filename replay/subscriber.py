@@ -117,11 +117,9 @@ class Subscriber:
         selector = selectors.DefaultSelector()
         try:
             for monitor, source_id in self._monitors.items():
-                selector.register(
-                    monitor.getsockopt(zmq.FD), selectors.EVENT_READ, (True, monitor, source_id)
-                )
-            for sock, source_id in self._sockets.items():
-                selector.register(sock.getsockopt(zmq.FD), selectors.EVENT_READ, (False, sock, source_id))
+                selector.register(monitor, selectors.EVENT_READ, (True, monitor, source_id))
+            for sock, source_id in self._sockets.items():  # a zmq socket's fileno() is its ZMQ_FD
+                selector.register(sock, selectors.EVENT_READ, (False, sock, source_id))
             # A ZMQ_FD signals that something changed, not that messages wait: once a socket has been
             # read until EAGAIN it signals again for the next message, but one that may still hold some
             # (registered with a backlog, or left at MAX_BATCH_PER_SOCKET) stays due until a read drains it.
