@@ -4,7 +4,8 @@
  * server time: a PodScore and a by_tier dict per entry in the scorer, a copy of each with its pod's state
  * and age, then msgspec walking them again (~1.5 us an entry, ~300 us a request). Here the entries are
  * never objects: from the index's holder ids of each leading block, the first block's (pod, tier)
- * entries and their pods' healths, this finds each entry's run, ranks, filters and orders them exactly
+ * entries and their pods' healths (given, or read from the ingest streams themselves: a live stream's
+ * state without a Python object per pod), this finds each entry's run, ranks, filters and orders them exactly
  * as indexer/scorer.py's score_prefix and api/answer.py's with_health do, and writes the bytes msgspec
  * would write for that list of PodScore.
  *
@@ -40,6 +41,8 @@ typedef struct {
 } Row;
 
 static PyObject *str_pod_id, *str_dp_rank, *str_state, *str_age, *str_disconnected, *str_live;
+static PyObject *str_last_live_at, *str_connect_mode, *str_connected, *str_hash_mismatch, *str_owned;
+static PyObject *str_tracker, *str_joined, *str_resyncing;
 
 /* -- struct fields ----------------------------------------------------------------------------------
  * PodRef and PodHealth are msgspec Structs, whose fields are member descriptors over object slots. A
@@ -77,6 +80,7 @@ field_get(Field *field, PyObject *obj)
 
 typedef struct {
     Field pod_id, dp_rank, state, age, disconnected;
+    Field last_live_at, connect_mode, connected, hash_mismatch, owned, tracker, joined, resyncing;
 } Fields;
 
 static void
@@ -84,6 +88,16 @@ fields_init(Fields *fields)
 {
     Field blank = {NULL, NULL, 0};
     fields->pod_id = fields->dp_rank = fields->state = fields->age = fields->disconnected = blank;
+    fields->last_live_at = fields->connect_mode = fields->connected = fields->hash_mismatch = blank;
+    fields->owned = fields->tracker = fields->joined = fields->resyncing = blank;
+    fields->last_live_at.name = str_last_live_at;
+    fields->connect_mode.name = str_connect_mode;
+    fields->connected.name = str_connected;
+    fields->hash_mismatch.name = str_hash_mismatch;
+    fields->owned.name = str_owned;
+    fields->tracker.name = str_tracker;
+    fields->joined.name = str_joined;
+    fields->resyncing.name = str_resyncing;
     fields->pod_id.name = str_pod_id;
     fields->dp_rank.name = str_dp_rank;
     fields->state.name = str_state;
@@ -617,10 +631,11 @@ done:
     return outcome;
 }
 
-/* A row's score and health; 0 done, 1 decline, -1 error. */
+/* A row's score and health: from `health` (a PodHealth, or None: no stream feeds the pod), or, with
+ * `live`, the state live at `live_age`. 0 done, 1 decline, -1 error. */
 static int
-fill_row(Fields *fields, Row *row, PyObject *health, PyObject *tier_weights, double unknown_weight,
-         PyObject *states, PyObject *vouched, double grace_s, int by_score)
+fill_row(Fields *fields, Row *row, PyObject *health, int live, double live_age, PyObject *tier_weights,
+         double unknown_weight, PyObject *states, PyObject *vouched, double grace_s, int by_score)
 {
     double weight = unknown_weight;
     PyObject *found = PyDict_GetItemWithError(tier_weights, row->tier);
@@ -642,23 +657,44 @@ fill_row(Fields *fields, Row *row, PyObject *health, PyObject *tier_weights, dou
         return 1;
     }
 
-    if (health == Py_None) { /* no stream feeds it: the entry as the scorer made it */
+    PyObject *down = NULL; /* how long the link has been down: a float, or None */
+    if (live) {
+        row->state = Py_NewRef(str_live);
+        row->age = PyFloat_FromDouble(live_age);
+        if (row->age == NULL) {
+            return -1;
+        }
+        down = Py_NewRef(Py_None);
+    }
+    else if (health == Py_None) { /* no stream feeds it: the entry as the scorer made it */
         row->state = Py_NewRef(str_live);
         row->age = Py_NewRef(Py_None);
         row->group = 0;
         return 0;
     }
-    row->state = field_get(&fields->state, health);
-    if (row->state == NULL) {
-        return -1;
+    else {
+        row->state = field_get(&fields->state, health);
+        if (row->state == NULL) {
+            return -1;
+        }
+        row->age = field_get(&fields->age, health);
+        if (row->age == NULL) {
+            return -1;
+        }
+        if (!PyUnicode_CheckExact(row->state) || (row->age != Py_None && !PyFloat_CheckExact(row->age))) {
+            return 1;
+        }
+        down = field_get(&fields->disconnected, health);
+        if (down == NULL) {
+            return -1;
+        }
+        if (down != Py_None && !PyFloat_CheckExact(down)) {
+            Py_DECREF(down);
+            return 1;
+        }
     }
-    row->age = field_get(&fields->age, health);
-    if (row->age == NULL) {
-        return -1;
-    }
-    if (!PyUnicode_CheckExact(row->state) || (row->age != Py_None && !PyFloat_CheckExact(row->age))) {
-        return 1;
-    }
+    int past_grace = down != Py_None && PyFloat_AS_DOUBLE(down) > grace_s;
+    Py_DECREF(down);
     if (states != Py_None) {
         int kept = PySet_Contains(states, row->state);
         if (kept < 0) {
@@ -669,24 +705,9 @@ fill_row(Fields *fields, Row *row, PyObject *health, PyObject *tier_weights, dou
             return 0;
         }
     }
-    else {
-        PyObject *down = field_get(&fields->disconnected, health);
-        if (down == NULL) {
-            return -1;
-        }
-        int past_grace = 0;
-        if (down != Py_None) {
-            if (!PyFloat_CheckExact(down)) {
-                Py_DECREF(down);
-                return 1;
-            }
-            past_grace = PyFloat_AS_DOUBLE(down) > grace_s;
-        }
-        Py_DECREF(down);
-        if (past_grace) {
-            row->group = -1;
-            return 0;
-        }
+    else if (past_grace) {
+        row->group = -1;
+        return 0;
     }
     if (by_score) {
         row->group = 0;
@@ -698,6 +719,97 @@ fill_row(Fields *fields, Row *row, PyObject *health, PyObject *tier_weights, dou
     }
     row->group = is_vouched ? 0 : 1;
     return 0;
+}
+
+/* -- a stream's health, read in place ---------------------------------------------------------------
+ * IngestService.pod_healths' common case, on the Stream and SequenceTracker objects themselves (slots,
+ * read by offset): an owned, connected, joined stream with nothing flagged, heard from within
+ * silent_after_s, is live. Anything else, and any field not of the expected type, is the service's to
+ * judge (`slow`). */
+
+typedef struct {
+    PyObject *streams; /* dict: PodRef -> Stream */
+    double now;
+    double silent_after_s;
+    int listen_up;      /* a bind-mode stream's link: some engine is connected to the bound SUB */
+    int unowned_matter; /* replicas share a store: a stream this one does not own is not live here */
+    PyObject *slow;     /* ref -> PodHealth | None */
+} Reader;
+
+/* 1 true, 0 false, -1 not a bool (or unreadable: the exception cleared). */
+static int
+field_flag(Field *field, PyObject *obj)
+{
+    PyObject *value = field_get(field, obj);
+    if (value == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int flag = value == Py_True ? 1 : value == Py_False ? 0 : -1;
+    Py_DECREF(value);
+    return flag;
+}
+
+/* 1 with *age set if the stream is live by the common case, 0 if `slow` must judge it. */
+static int
+read_live(Fields *fields, const Reader *reader, PyObject *stream, double *age)
+{
+    PyObject *value = field_get(&fields->last_live_at, stream);
+    if (value == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!PyFloat_CheckExact(value)) {
+        Py_DECREF(value);
+        return 0;
+    }
+    double at = PyFloat_AS_DOUBLE(value);
+    Py_DECREF(value);
+    if (!(reader->now - at <= reader->silent_after_s)) {
+        return 0;
+    }
+    int connect_mode = field_flag(&fields->connect_mode, stream);
+    int connected = connect_mode == 1 ? field_flag(&fields->connected, stream) : reader->listen_up;
+    if (connect_mode < 0 || connected != 1 || field_flag(&fields->hash_mismatch, stream) != 0) {
+        return 0;
+    }
+    if (reader->unowned_matter && field_flag(&fields->owned, stream) != 1) {
+        return 0;
+    }
+    PyObject *tracker = field_get(&fields->tracker, stream);
+    if (tracker == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = field_flag(&fields->joined, tracker) == 1 && field_flag(&fields->resyncing, tracker) == 0;
+    Py_DECREF(tracker);
+    if (!ok) {
+        return 0;
+    }
+    /* age_ms: seconds to the millisecond, never negative (the same arithmetic as Python's). */
+    long long thousandths = (long long)((reader->now - at) * 1000.0 + 0.5);
+    *age = (double)(thousandths < 0 ? 0 : thousandths) / 1000.0;
+    return 1;
+}
+
+/* The health of row i's pod: 1 live at *age; 0 with *health (a new reference: PodHealth or None);
+ * -1 error. */
+static int
+reader_health(Fields *fields, const Reader *reader, PyObject *ref, PyObject **health, double *age)
+{
+    PyObject *stream = PyDict_GetItemWithError(reader->streams, ref); /* borrowed */
+    if (stream == NULL) {
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        *health = Py_NewRef(Py_None);
+        return 0;
+    }
+    if (read_live(fields, reader, stream, age)) {
+        return 1;
+    }
+    *health = PyObject_CallOneArg(reader->slow, ref);
+    return *health == NULL ? -1 : 0;
 }
 
 /* Writes one entry; 0 done, 1 decline, -1 error. */
@@ -786,7 +898,8 @@ PyDoc_STRVAR(encode_scores_doc,
              "              block_size, report_tiers, states, vouched_states, grace_s, by_score, /)\n"
              "--\n\n"
              "The JSON of a score answer's `scores` list and its best matched_blocks, or None when the\n"
-             "Python path must build it (see the module's docstring).");
+             "Python path must build it (see the module's docstring). `healths`: the first block's pods'\n"
+             "PodHealth (or None), in first_entries' order, or a HealthReader to read them from the streams.");
 
 /* 0 to go on; else the value to return (None: declined; NULL: error). */
 #define DECLINE_OR_FAIL(outcome) ((outcome) > 0 ? Py_NewRef(Py_None) : NULL)
@@ -801,7 +914,27 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *holder_ids = args[0], *first_entries = args[1], *entry_of = args[2], *healths = args[3];
     PyObject *tier_weights = args[4], *report_tiers = args[7], *states = args[8], *vouched = args[9];
-    if (!PyList_CheckExact(holder_ids) || !PyList_CheckExact(first_entries) || !PyList_CheckExact(healths) ||
+    Reader reader = {NULL, 0.0, 0.0, 0, 0, NULL};
+    int use_reader = 0;
+    if (PyTuple_Check(healths) && PyTuple_GET_SIZE(healths) == 6) { /* a HealthReader */
+        reader.streams = PyTuple_GET_ITEM(healths, 0);
+        reader.now = PyFloat_AsDouble(PyTuple_GET_ITEM(healths, 1));
+        reader.silent_after_s = PyFloat_AsDouble(PyTuple_GET_ITEM(healths, 2));
+        reader.listen_up = PyObject_IsTrue(PyTuple_GET_ITEM(healths, 3));
+        reader.unowned_matter = PyObject_IsTrue(PyTuple_GET_ITEM(healths, 4));
+        reader.slow = PyTuple_GET_ITEM(healths, 5);
+        if (PyErr_Occurred() || reader.listen_up < 0 || reader.unowned_matter < 0) {
+            return NULL;
+        }
+        if (!PyDict_Check(reader.streams) || !PyCallable_Check(reader.slow)) {
+            Py_RETURN_NONE;
+        }
+        use_reader = 1;
+    }
+    else if (!PyList_CheckExact(healths)) {
+        Py_RETURN_NONE;
+    }
+    if (!PyList_CheckExact(holder_ids) || !PyList_CheckExact(first_entries) ||
         !PyCallable_Check(entry_of) || !PyDict_Check(tier_weights) || !PyTuple_CheckExact(report_tiers) ||
         !PyAnySet_Check(vouched) || (states != Py_None && !PyAnySet_Check(states))) {
         Py_RETURN_NONE;
@@ -832,7 +965,7 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *first = PyList_GET_ITEM(holder_ids, 0);
     Py_ssize_t n = PyTuple_GET_SIZE(first);
-    if (n == 0 || PyList_GET_SIZE(first_entries) != n || PyList_GET_SIZE(healths) != n) {
+    if (n == 0 || PyList_GET_SIZE(first_entries) != n || (!use_reader && PyList_GET_SIZE(healths) != n)) {
         Py_RETURN_NONE;
     }
 
@@ -879,8 +1012,22 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        outcome = fill_row(&fields, &rows[i], PyList_GET_ITEM(healths, i), tier_weights, unknown_weight, states, vouched,
+        PyObject *health = NULL;
+        int live = 0;
+        double age = 0.0;
+        if (use_reader) {
+            PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(first_entries, i), 0); /* read_entry checked it */
+            live = reader_health(&fields, &reader, ref, &health, &age);
+            if (live < 0) {
+                goto done;
+            }
+        }
+        else {
+            health = Py_NewRef(PyList_GET_ITEM(healths, i));
+        }
+        outcome = fill_row(&fields, &rows[i], health, live, age, tier_weights, unknown_weight, states, vouched,
                            grace_s, by_score);
+        Py_XDECREF(health);
         if (outcome != 0) {
             result = DECLINE_OR_FAIL(outcome);
             goto done;
@@ -954,7 +1101,17 @@ PyInit__answer(void)
     str_age = PyUnicode_InternFromString("last_event_age_s");
     str_disconnected = PyUnicode_InternFromString("disconnected_for_s");
     str_live = PyUnicode_InternFromString("live");
-    if (!str_pod_id || !str_dp_rank || !str_state || !str_age || !str_disconnected || !str_live) {
+    str_last_live_at = PyUnicode_InternFromString("last_live_at");
+    str_connect_mode = PyUnicode_InternFromString("connect_mode");
+    str_connected = PyUnicode_InternFromString("connected");
+    str_hash_mismatch = PyUnicode_InternFromString("hash_mismatch");
+    str_owned = PyUnicode_InternFromString("owned");
+    str_tracker = PyUnicode_InternFromString("tracker");
+    str_joined = PyUnicode_InternFromString("joined");
+    str_resyncing = PyUnicode_InternFromString("resyncing");
+    if (!str_pod_id || !str_dp_rank || !str_state || !str_age || !str_disconnected || !str_live ||
+        !str_last_live_at || !str_connect_mode || !str_connected || !str_hash_mismatch || !str_owned ||
+        !str_tracker || !str_joined || !str_resyncing) {
         return NULL;
     }
     return PyModule_Create(&answer_module);

@@ -1,13 +1,13 @@
 from collections.abc import Callable
 
 from kvindex.indexer.events import PodRef
-from kvindex.indexer.status import PodHealth
+from kvindex.indexer.status import HealthReader, PodHealth
 
 def encode_scores(
     holder_ids: list[tuple[int, ...]],
     first_entries: list[tuple[PodRef, str]],
     entry_of: Callable[[int], tuple[PodRef, str]],
-    healths: list[PodHealth | None],
+    healths: list[PodHealth | None] | HealthReader,
     tier_weights: dict[str, float],
     unknown_tier_weight: float,
     block_size: int,

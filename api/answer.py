@@ -18,7 +18,7 @@ from kvindex.hashing.compiled import pure_python_forced
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.index import HolderIds
 from kvindex.indexer.scorer import PodScore, score_holders
-from kvindex.indexer.status import VOUCHED_STATES, PodHealth
+from kvindex.indexer.status import VOUCHED_STATES, HealthReader, PodHealth
 from kvindex.indexer.store import Store
 
 
@@ -28,7 +28,7 @@ class EncodeScores(Protocol):
         holder_ids: list[HolderIds],
         first_entries: list[tuple[PodRef, str]],
         entry_of: Callable[[int], tuple[PodRef, str]],
-        healths: list[PodHealth | None],
+        healths: list[PodHealth | None] | HealthReader,
         tier_weights: dict[str, float],
         unknown_tier_weight: float,
         block_size: int,
@@ -120,14 +120,21 @@ def answer_scores(
 
 
 def scores_json(
-    index: Store, holder_ids: list[HolderIds], healths_of: HealthsOf, policy: AnswerPolicy
+    index: Store,
+    holder_ids: list[HolderIds],
+    healths_of: HealthsOf,
+    policy: AnswerPolicy,
+    reader: HealthReader | None = None,
 ) -> tuple[bytes, int]:
-    """The JSON of the answer's `scores` list and the best entry's matched_blocks (0 if none)."""
+    """The JSON of the answer's `scores` list and the best entry's matched_blocks (0 if none).
+
+    `reader`: the streams' health for the compiled writer to read itself (the same as `healths_of`
+    would say at `reader.now`); without it the writer is given `healths_of`'s answers."""
     encode = encode_scores
     if encode is not None and holder_ids:
         entry = index.entry
         first_entries = [entry(entry_id) for entry_id in holder_ids[0]]
-        healths = healths_of([ref for ref, _ in first_entries])
+        healths = reader if reader is not None else healths_of([ref for ref, _ in first_entries])
         written = encode(
             holder_ids,
             first_entries,

@@ -177,7 +177,9 @@ class ScoreHandler:
             by_score=request.rank == "score",
         )
         holder_ids = runtime.index.lookup_ids(block_keys, request.pods)
-        scores, best = scores_json(runtime.index, holder_ids, self._service.pod_healths, policy)
+        scores, best = scores_json(
+            runtime.index, holder_ids, self._service.pod_healths, policy, self._service.health_reader()
+        )
         if request.pods is None:
             return scores, best, msgspec.UNSET
         return scores, best, self._unknown_pods(runtime, request.pods)

@@ -6,8 +6,8 @@ api/metrics.py, so the write path never pays for metric objects.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import msgspec
 from kvindex.indexer.events import PodRef
@@ -67,6 +67,19 @@ class PodHealth(msgspec.Struct, frozen=True):
     disconnected_for_s: float | None
 
 
+class HealthReader(NamedTuple):
+    """What the compiled answer writer (api/_answer.c) needs to read streams' health itself, at one clock
+    reading: the common live case on the Stream objects, `slow` (the service's own pod_healths) for the
+    rest. A tuple, so C reads it by position."""
+
+    streams: Mapping[PodRef, object]  # every stream by ref (never removed, see StreamTable)
+    now: float
+    silent_after_s: float
+    listen_up: bool  # an engine is connected to a bound SUB (every bind-mode stream's link)
+    unowned_matter: bool  # replicas share a store: a stream this one does not own is not live here
+    slow: Callable[[PodRef], PodHealth | None]
+
+
 class Readiness(msgspec.Struct, frozen=True):
     ready: bool
     reason: str | None = None  # why not, in one sentence
@@ -111,7 +124,8 @@ class IngestView(Protocol):
     def model_names(self) -> list[str]: ...
     def pod_statuses(self) -> list[PodStatus]: ...
     def pod_health(self, pod_id: str, dp_rank: int) -> PodHealth | None: ...
-    def pod_healths(self, refs: Sequence[PodRef]) -> list[PodHealth | None]: ...
+    def pod_healths(self, refs: Sequence[PodRef], now: float | None = None) -> list[PodHealth | None]: ...
+    def health_reader(self) -> HealthReader: ...
     def counters(self) -> IngestCounters: ...
     def ready(self) -> bool: ...
     def readiness(self, min_live_pods: int = 1) -> Readiness: ...

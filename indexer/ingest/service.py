@@ -7,6 +7,7 @@ release).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ from kvindex.indexer.status import (
     STATE_REPLAYING,
     STATE_RESYNCING,
     STATE_SILENT,
+    HealthReader,
     IngestCounters,
     PodHealth,
     PodStatus,
@@ -332,10 +334,11 @@ class IngestService:
     def pod_health(self, pod_id: str, dp_rank: int) -> PodHealth | None:
         return self.pod_healths([PodRef(pod_id, dp_rank)])[0]
 
-    def pod_healths(self, refs: Sequence[PodRef]) -> list[PodHealth | None]:
+    def pod_healths(self, refs: Sequence[PodRef], now: float | None = None) -> list[PodHealth | None]:
         """The health of each stream, None for one no stream feeds; one clock reading for all (a score
-        answer reads every scored pod's at once)."""
-        now = time.monotonic()
+        answer reads every scored pod's at once), `now` if given."""
+        if now is None:
+            now = time.monotonic()
         get = self._streams.get
         state_of = self._state_of
         # The common case inline (a score answer reads ~200 of these): an owned, connected, joined stream
@@ -372,6 +375,21 @@ class IngestService:
                 )
             )
         return healths
+
+    def health_reader(self) -> HealthReader:
+        """pod_healths' inputs for the compiled answer writer, which reads the common case itself."""
+        now = time.monotonic()
+        return HealthReader(
+            self._streams.by_ref,
+            now,
+            self.settings.silent_after_s,
+            self._intake.listen_peers > 0,
+            self.leases is not None,
+            functools.partial(self._health_at, now),
+        )
+
+    def _health_at(self, now: float, ref: PodRef) -> PodHealth | None:
+        return self.pod_healths([ref], now)[0]
 
     def view_flagged(self, ref: PodRef) -> bool:
         """Whether the stream `ref`'s view may miss history (partial_view or resyncing); cheap."""

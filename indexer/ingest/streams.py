@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import msgspec
@@ -207,6 +207,11 @@ class StreamTable:
         stream.owned = not self.leased
         with self._lock:
             return self._by_ref.setdefault(stream.ref, stream)
+
+    @property
+    def by_ref(self) -> Mapping[PodRef, Stream]:
+        """Every stream by ref, read in place (streams are added, never removed)."""
+        return self._by_ref
 
     def all(self) -> list[Stream]:
         with self._lock:

@@ -8,7 +8,9 @@ and tiers JSON must escape)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import pytest
@@ -17,10 +19,12 @@ from extensions import require_built
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvindex.api import answer
-from kvindex.api.answer import AnswerPolicy, EncodeScores, answer_scores, scores_json
+from kvindex.api.answer import AnswerPolicy, EncodeScores, HealthsOf, answer_scores, scores_json
 from kvindex.api.schemas import JSON_ENCODER, EncodedScoreResponse, ScoreResponse
 from kvindex.indexer.events import BlocksRemoved, BlocksStored, PodRef
 from kvindex.indexer.index import HolderIds, KVIndex
+from kvindex.indexer.ingest import IngestService, IngestSettings
+from kvindex.indexer.model import ModelConfig, PodConfig
 from kvindex.indexer.status import VOUCHED_STATES, PodHealth
 
 PROMPT = list(range(1, 13))
@@ -280,3 +284,130 @@ def test_the_encoded_response_is_the_score_response(unknown_pods: list[str] | ms
     fields = {"model": "m", "block_size": 16, "num_blocks": len(PROMPT), "unknown_pods": unknown_pods}
     encoded = EncodedScoreResponse(scores=msgspec.Raw(JSON_ENCODER.encode(entries)), **fields)  # type: ignore[arg-type]
     assert JSON_ENCODER.encode(encoded) == JSON_ENCODER.encode(ScoreResponse(scores=entries, **fields))  # type: ignore[arg-type]
+
+
+# -- the writer reading the streams' health itself ---------------------------------------------------
+
+READER_PODS = [PodRef(f"pod-{number}") for number in range(6)]
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[IngestService]:
+    """A real service (never started: no socket is opened) whose streams' fields a test sets."""
+    pods = [
+        PodConfig(pod_id=ref.pod_id, model="m", endpoint=f"tcp://127.0.0.1:{20000 + number}")
+        for number, ref in enumerate(READER_PODS)
+    ]
+    ingest = IngestService([ModelConfig(name="m")], pods, settings=IngestSettings(silent_after_s=5.0))
+    try:
+        yield ingest
+    finally:
+        ingest.stop()
+
+
+MOSTLY = st.sampled_from([True, True, True, False])  # most streams are live: the writer's own case
+RARELY = st.sampled_from([False, False, False, True])
+STREAM_STATES = st.fixed_dictionaries(
+    {
+        "connected": MOSTLY,
+        "joined": MOSTLY,
+        "resyncing": RARELY,
+        "hash_mismatch": RARELY,
+        "heard_s_ago": st.one_of(st.none(), st.floats(-0.01, 12.0, allow_nan=False)),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stream_states=st.lists(STREAM_STATES, min_size=len(READER_PODS), max_size=len(READER_PODS)),
+    runs=st.lists(st.integers(1, len(PROMPT)), min_size=len(READER_PODS), max_size=len(READER_PODS)),
+    policy=POLICIES,
+)
+def test_health_read_from_the_streams_is_what_pod_healths_says(
+    service: IngestService, stream_states: list[dict[str, object]], runs: list[int], policy: AnswerPolicy
+) -> None:
+    """The writer's own reading of each stream (its common live case, the service's pod_healths for the
+    rest) writes the same bytes as the writer given pod_healths' answers at the same clock reading."""
+    index = KVIndex()
+    now = time.monotonic()
+    for ref, fields, run in zip(READER_PODS, stream_states, runs, strict=True):
+        stream = service._streams.get(ref)
+        assert stream is not None
+        stream.connected = bool(fields["connected"])
+        stream.tracker.joined = bool(fields["joined"])
+        stream.tracker.resyncing = bool(fields["resyncing"])
+        stream.hash_mismatch = bool(fields["hash_mismatch"])
+        heard = fields["heard_s_ago"]
+        stream.last_live_at = None if heard is None else now - float(heard)  # type: ignore[arg-type]
+        store(index, ref, PROMPT[:run])
+    holder_ids = index.lookup_ids(PROMPT)
+    reader = service.health_reader()
+    first_entries = [index.entry(entry_id) for entry_id in holder_ids[0]]
+    given_healths = service.pod_healths([ref for ref, _ in first_entries], now=reader.now)
+    arguments = [
+        holder_ids,
+        first_entries,
+        index.entry,
+        given_healths,
+        dict(policy.tier_weights),
+        policy.unknown_tier_weight,
+        policy.block_size,
+        policy.report_tiers,
+        policy.states,
+        VOUCHED_STATES,
+        policy.grace_s,
+        policy.by_score,
+    ]
+    from_list = built()(*arguments)
+    arguments[3] = reader
+    from_streams = built()(*arguments)
+    assert from_streams == from_list
+    healths_at_now = functools.partial(service.pod_healths, now=reader.now)
+    assert from_streams is None or from_streams == definition_with(index, holder_ids, healths_at_now, policy)
+
+
+def definition_with(
+    index: KVIndex, holder_ids: list[HolderIds], healths_of: HealthsOf, policy: AnswerPolicy
+) -> tuple[bytes, int]:
+    entries = answer_scores(index, holder_ids, healths_of, policy)
+    return JSON_ENCODER.encode(entries), entries[0].matched_blocks if entries else 0
+
+
+def test_the_streams_a_replica_does_not_own_are_left_to_the_service(service: IngestService) -> None:
+    """With replicas sharing a store, a stream this one does not own is never live by the writer's own
+    reading: the service says what it is (here: what its `slow` answers)."""
+    index = KVIndex()
+    for ref in READER_PODS:
+        stream = service._streams.get(ref)
+        assert stream is not None
+        stream.connected, stream.tracker.joined, stream.last_live_at = True, True, time.monotonic()
+        stream.tracker.resyncing = stream.hash_mismatch = False
+        stream.owned = ref != READER_PODS[0]
+        store(index, ref, PROMPT[:4])
+    asked: list[PodRef] = []
+
+    def slow(ref: PodRef) -> PodHealth | None:
+        asked.append(ref)
+        return PodHealth("replaying", None, None)
+
+    reader = service.health_reader()._replace(unowned_matter=True, slow=slow)
+    holder_ids = index.lookup_ids(PROMPT)
+    written = built()(
+        holder_ids,
+        [index.entry(entry_id) for entry_id in holder_ids[0]],
+        index.entry,
+        reader,
+        {"GPU": 1.0},
+        0.1,
+        16,
+        REPORT_TIERS,
+        None,
+        VOUCHED_STATES,
+        30.0,
+        False,
+    )
+    assert written is not None
+    states = {entry["pod"]: entry["state"] for entry in msgspec.json.decode(written[0])}
+    assert asked == [READER_PODS[0]]
+    assert states == {ref.pod_id: "replaying" if ref == READER_PODS[0] else "live" for ref in READER_PODS}
