@@ -812,6 +812,27 @@ reader_health(Fields *fields, const Reader *reader, PyObject *ref, PyObject **he
     return *health == NULL ? -1 : 0;
 }
 
+/* `,"name":value` (no comma first in the object); 0 done, 1 decline, -1 error. */
+static int
+put_tier(Buf *buf, int comma, const char *name, Py_ssize_t name_len, long long value)
+{
+    if (buf_reserve(buf, 1) < 0) {
+        return -1;
+    }
+    if (comma) {
+        PUT_LITERAL(buf, ",");
+    }
+    if (put_utf8(buf, name, name_len) < 0) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    if (buf_reserve(buf, 32) < 0) {
+        return -1;
+    }
+    PUT_LITERAL(buf, ":");
+    put_int(buf, value);
+    return 0;
+}
+
 /* Writes one entry; 0 done, 1 decline, -1 error. */
 static int
 put_row(Buf *buf, const Row *row, long long block_size, PyObject *report_tiers)
@@ -841,39 +862,24 @@ put_row(Buf *buf, const Row *row, long long block_size, PyObject *report_tiers)
     int tier_reported = 0;
     for (Py_ssize_t i = 0; i < num_report; i++) {
         PyObject *name = PyTuple_GET_ITEM(report_tiers, i);
-        int is_tier = name == row->tier;
-        if (!is_tier) {
-            int order = PyUnicode_Compare(name, row->tier);
-            if (order == -1 && PyErr_Occurred()) {
-                return -1;
-            }
-            is_tier = order == 0;
+        Py_ssize_t name_len;
+        const char *name_utf8 = PyUnicode_AsUTF8AndSize(name, &name_len);
+        if (name_utf8 == NULL) {
+            PyErr_Clear(); /* not UTF-8 encodable: msgspec's path refuses it its own way */
+            return 1;
         }
+        int is_tier = name == row->tier || compare_utf8(name_utf8, name_len, row->tier_utf8, row->tier_len) == 0;
         tier_reported |= is_tier;
-        if (i) {
-            PUT_LITERAL(buf, ",");
+        int put = put_tier(buf, i > 0, name_utf8, name_len, is_tier ? (long long)row->run : 0);
+        if (put != 0) {
+            return put;
         }
-        if (put_string(buf, name) < 0) {
-            return PyErr_Occurred() ? -1 : 1;
-        }
-        if (buf_reserve(buf, 32) < 0) {
-            return -1;
-        }
-        PUT_LITERAL(buf, ":");
-        put_int(buf, is_tier ? (long long)row->run : 0);
     }
     if (!tier_reported) {
-        if (num_report) {
-            PUT_LITERAL(buf, ",");
+        int put = put_tier(buf, num_report > 0, row->tier_utf8, row->tier_len, (long long)row->run);
+        if (put != 0) {
+            return put;
         }
-        if (put_utf8(buf, row->tier_utf8, row->tier_len) < 0) {
-            return PyErr_Occurred() ? -1 : 1;
-        }
-        if (buf_reserve(buf, 32) < 0) {
-            return -1;
-        }
-        PUT_LITERAL(buf, ":");
-        put_int(buf, (long long)row->run);
     }
     PUT_LITERAL(buf, "},\"state\":");
     if (put_string(buf, row->state) < 0) {

@@ -276,8 +276,11 @@ finish_chain(chain_job *job)
     return digest_list(job->digests, job->num_blocks);
 }
 
+/* The chain of num_blocks blocks whose ids are `items` (exact ints, checked here) or, with items NULL,
+ * `packed` (native uint32: exact by construction). */
 static PyObject *
-chain_impl(PyObject *parent_obj, PyObject *seq, Py_ssize_t block_size, Py_ssize_t num_blocks, int cbor)
+chain_impl(PyObject *parent_obj, PyObject *const *items, const char *packed, Py_ssize_t block_size,
+           Py_ssize_t num_blocks, int cbor)
 {
     Py_ssize_t count = num_blocks * block_size;
     size_t preimage_cap = PREIMAGE_OVERHEAD + 11 * (size_t)block_size;
@@ -292,7 +295,14 @@ chain_impl(PyObject *parent_obj, PyObject *seq, Py_ssize_t block_size, Py_ssize_
         PyErr_NoMemory();
         goto done;
     }
-    if (read_tokens(PySequence_Fast_ITEMS(seq), count, tokens)) {
+    if (items == NULL) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t id;
+            memcpy(&id, packed + i * (Py_ssize_t)sizeof(uint32_t), sizeof id);
+            tokens[i] = id;
+        }
+    }
+    else if (read_tokens(items, count, tokens)) {
         result = Py_NewRef(Py_None);
         goto done;
     }
@@ -353,7 +363,7 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
         Py_RETURN_NONE;
     }
-    return chain_impl(args[0], args[1], block_size, num_blocks, cbor);
+    return chain_impl(args[0], PySequence_Fast_ITEMS(args[1]), NULL, block_size, num_blocks, cbor);
 }
 
 PyDoc_STRVAR(chain_packed_doc,
@@ -365,7 +375,7 @@ PyDoc_STRVAR(chain_packed_doc,
 static PyObject *
 chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t first, block_size, num_blocks, count, i;
+    Py_ssize_t first, block_size, num_blocks;
     int cbor;
 
     (void)module;
@@ -393,35 +403,8 @@ chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
         Py_RETURN_NONE;
     }
-    count = num_blocks * block_size;
-    size_t preimage_cap = PREIMAGE_OVERHEAD + 11 * (size_t)block_size;
-    uint64_t *tokens = PyMem_Malloc(count > 0 ? (size_t)count * sizeof(uint64_t) : 1);
-    unsigned char *scratch = PyMem_Malloc(preimage_cap + (size_t)num_blocks * DIGEST_SIZE);
-    PyObject *result = NULL;
-    if (tokens == NULL || scratch == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     const char *packed = PyBytes_AS_STRING(args[1]) + first * (Py_ssize_t)sizeof(uint32_t);
-    for (i = 0; i < count; i++) {
-        uint32_t id;
-        memcpy(&id, packed + i * (Py_ssize_t)sizeof(uint32_t), sizeof id);
-        tokens[i] = id;
-    }
-    chain_job job;
-    job.tokens = tokens;
-    job.block_size = block_size;
-    job.num_blocks = num_blocks;
-    job.cbor = cbor;
-    job.parent = (const unsigned char *)PyBytes_AS_STRING(args[0]);
-    job.parent_size = (size_t)PyBytes_GET_SIZE(args[0]);
-    job.preimage = scratch;
-    job.digests = scratch + preimage_cap;
-    result = finish_chain(&job);
-done:
-    PyMem_Free(tokens);
-    PyMem_Free(scratch);
-    return result;
+    return chain_impl(args[0], NULL, packed, block_size, num_blocks, cbor);
 }
 
 PyDoc_STRVAR(pack_ids_doc,

@@ -25,7 +25,7 @@ from kvindex.indexer.events import BlocksRemoved, BlocksStored, PodRef
 from kvindex.indexer.index import HolderIds, KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.status import VOUCHED_STATES, PodHealth
+from kvindex.indexer.status import VOUCHED_STATES, HealthReader, PodHealth
 
 PROMPT = list(range(1, 13))
 OTHER_PROMPT = list(range(101, 109))
@@ -44,15 +44,19 @@ def health_table(healths: dict[PodRef, PodHealth | None]):  # type: ignore[no-un
     return healths_of
 
 
-def compiled_answer(
-    index: KVIndex, holder_ids: list[HolderIds], healths: dict[PodRef, PodHealth | None], policy: AnswerPolicy
-) -> tuple[bytes, int] | None:
+def writer_arguments(
+    index: KVIndex,
+    holder_ids: list[HolderIds],
+    healths: list[PodHealth | None] | HealthReader | None,
+    policy: AnswerPolicy,
+) -> list[object]:
+    """encode_scores' arguments, in order; healths None: every first-block pod's is None."""
     first_entries = [index.entry(entry_id) for entry_id in holder_ids[0]]
-    return built()(
+    return [
         holder_ids,
         first_entries,
         index.entry,
-        health_table(healths)([ref for ref, _ in first_entries]),
+        [None] * len(first_entries) if healths is None else healths,
         dict(policy.tier_weights),
         policy.unknown_tier_weight,
         policy.block_size,
@@ -61,7 +65,18 @@ def compiled_answer(
         VOUCHED_STATES,
         policy.grace_s,
         policy.by_score,
-    )
+    ]
+
+
+def first_refs(index: KVIndex, holder_ids: list[HolderIds]) -> list[PodRef]:
+    return [index.entry(entry_id)[0] for entry_id in holder_ids[0]]
+
+
+def compiled_answer(
+    index: KVIndex, holder_ids: list[HolderIds], healths: dict[PodRef, PodHealth | None], policy: AnswerPolicy
+) -> tuple[bytes, int] | None:
+    given = health_table(healths)(first_refs(index, holder_ids))
+    return built()(*writer_arguments(index, holder_ids, given, policy))  # type: ignore[arg-type]
 
 
 def definition(
@@ -252,28 +267,15 @@ def test_what_msgspec_writes_its_own_way_is_declined(pod_id: str, age: float) ->
 def test_bad_arguments_are_declined_or_refused() -> None:
     index, healths = fleet_of_one_tier_per_pod()
     holder_ids = index.lookup_ids(PROMPT)
-    first_entries = [index.entry(entry_id) for entry_id in holder_ids[0]]
-    good = [
-        holder_ids,
-        first_entries,
-        index.entry,
-        health_table(healths)([ref for ref, _ in first_entries]),
-        {"GPU": 1.0},
-        0.1,
-        16,
-        REPORT_TIERS,
-        None,
-        VOUCHED_STATES,
-        30.0,
-        True,
-    ]
-    assert built()(*good) is not None
-    for position, bad in [(0, tuple(holder_ids)), (1, first_entries[:-1]), (3, []), (4, None), (6, 0)]:
+    given = health_table(healths)(first_refs(index, holder_ids))
+    good = writer_arguments(index, holder_ids, given, policy_of(tier_weights={"GPU": 1.0}))
+    assert built()(*good) is not None  # type: ignore[arg-type]
+    for position, bad in [(0, tuple(holder_ids)), (1, good[1][:-1]), (3, []), (4, None), (6, 0)]:  # type: ignore[index]
         arguments = list(good)
         arguments[position] = bad
-        assert built()(*arguments) is None, position
+        assert built()(*arguments) is None, position  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        built()(*good[:-1])  # type: ignore[call-arg]
+        built()(*good[:-1])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("unknown_pods", [msgspec.UNSET, [], ["pod-x", "pod-\u00e9"]])
@@ -343,25 +345,9 @@ def test_health_read_from_the_streams_is_what_pod_healths_says(
         store(index, ref, PROMPT[:run])
     holder_ids = index.lookup_ids(PROMPT)
     reader = service.health_reader()
-    first_entries = [index.entry(entry_id) for entry_id in holder_ids[0]]
-    given_healths = service.pod_healths([ref for ref, _ in first_entries], now=reader.now)
-    arguments = [
-        holder_ids,
-        first_entries,
-        index.entry,
-        given_healths,
-        dict(policy.tier_weights),
-        policy.unknown_tier_weight,
-        policy.block_size,
-        policy.report_tiers,
-        policy.states,
-        VOUCHED_STATES,
-        policy.grace_s,
-        policy.by_score,
-    ]
-    from_list = built()(*arguments)
-    arguments[3] = reader
-    from_streams = built()(*arguments)
+    given_healths = service.pod_healths(first_refs(index, holder_ids), now=reader.now)
+    from_list = built()(*writer_arguments(index, holder_ids, given_healths, policy))  # type: ignore[arg-type]
+    from_streams = built()(*writer_arguments(index, holder_ids, reader, policy))  # type: ignore[arg-type]
     assert from_streams == from_list
     healths_at_now = functools.partial(service.pod_healths, now=reader.now)
     assert from_streams is None or from_streams == definition_with(index, holder_ids, healths_at_now, policy)
@@ -393,20 +379,7 @@ def test_the_streams_a_replica_does_not_own_are_left_to_the_service(service: Ing
 
     reader = service.health_reader()._replace(unowned_matter=True, slow=slow)
     holder_ids = index.lookup_ids(PROMPT)
-    written = built()(
-        holder_ids,
-        [index.entry(entry_id) for entry_id in holder_ids[0]],
-        index.entry,
-        reader,
-        {"GPU": 1.0},
-        0.1,
-        16,
-        REPORT_TIERS,
-        None,
-        VOUCHED_STATES,
-        30.0,
-        False,
-    )
+    written = built()(*writer_arguments(index, holder_ids, reader, policy_of(by_score=False)))  # type: ignore[arg-type]
     assert written is not None
     states = {entry["pod"]: entry["state"] for entry in msgspec.json.decode(written[0])}
     assert asked == [READER_PODS[0]]
