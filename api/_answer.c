@@ -86,23 +86,17 @@ typedef struct {
 static void
 fields_init(Fields *fields)
 {
-    Field blank = {NULL, NULL, 0};
-    fields->pod_id = fields->dp_rank = fields->state = fields->age = fields->disconnected = blank;
-    fields->last_live_at = fields->connect_mode = fields->connected = fields->hash_mismatch = blank;
-    fields->owned = fields->tracker = fields->joined = fields->resyncing = blank;
-    fields->last_live_at.name = str_last_live_at;
-    fields->connect_mode.name = str_connect_mode;
-    fields->connected.name = str_connected;
-    fields->hash_mismatch.name = str_hash_mismatch;
-    fields->owned.name = str_owned;
-    fields->tracker.name = str_tracker;
-    fields->joined.name = str_joined;
-    fields->resyncing.name = str_resyncing;
-    fields->pod_id.name = str_pod_id;
-    fields->dp_rank.name = str_dp_rank;
-    fields->state.name = str_state;
-    fields->age.name = str_age;
-    fields->disconnected.name = str_disconnected;
+    Field *all[] = {&fields->pod_id, &fields->dp_rank, &fields->state, &fields->age, &fields->disconnected,
+                    &fields->last_live_at, &fields->connect_mode, &fields->connected, &fields->hash_mismatch,
+                    &fields->owned, &fields->tracker, &fields->joined, &fields->resyncing};
+    PyObject *names[] = {str_pod_id, str_dp_rank, str_state, str_age, str_disconnected,
+                         str_last_live_at, str_connect_mode, str_connected, str_hash_mismatch,
+                         str_owned, str_tracker, str_joined, str_resyncing};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        all[i]->name = names[i];
+        all[i]->type = NULL;
+        all[i]->offset = 0;
+    }
 }
 
 /* -- entry id -> row: open addressing over a power-of-two table ------------------------------------ */

@@ -10,7 +10,7 @@ per entry, and declines everything else to the definition.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from kvindex.api.schemas import JSON_ENCODER
@@ -135,24 +135,35 @@ def scores_json(
         entry = index.entry
         first_entries = [entry(entry_id) for entry_id in holder_ids[0]]
         healths = reader if reader is not None else healths_of([ref for ref, _ in first_entries])
-        written = encode(
-            holder_ids,
-            first_entries,
-            entry,
-            healths,
-            _as_dict(policy.tier_weights),
-            policy.unknown_tier_weight,
-            policy.block_size,
-            policy.report_tiers,
-            policy.states,
-            VOUCHED_STATES,
-            policy.grace_s,
-            policy.by_score,
-        )
+        written = encode(*encode_arguments(index, holder_ids, first_entries, healths, policy))
         if written is not None:
             return written
     entries = answer_scores(index, holder_ids, healths_of, policy)
     return JSON_ENCODER.encode(entries), entries[0].matched_blocks if entries else 0
+
+
+def encode_arguments(
+    index: Store,
+    holder_ids: list[HolderIds],
+    first_entries: list[tuple[PodRef, str]],
+    healths: list[PodHealth | None] | HealthReader,
+    policy: AnswerPolicy,
+) -> tuple[Any, ...]:
+    """encode_scores' arguments, in its order, for this answer and policy."""
+    return (
+        holder_ids,
+        first_entries,
+        index.entry,
+        healths,
+        _as_dict(policy.tier_weights),
+        policy.unknown_tier_weight,
+        policy.block_size,
+        policy.report_tiers,
+        policy.states,
+        VOUCHED_STATES,
+        policy.grace_s,
+        policy.by_score,
+    )
 
 
 def _as_dict(weights: Mapping[str, float]) -> dict[str, float]:

@@ -19,13 +19,20 @@ from extensions import require_built
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvindex.api import answer
-from kvindex.api.answer import AnswerPolicy, EncodeScores, HealthsOf, answer_scores, scores_json
+from kvindex.api.answer import (
+    AnswerPolicy,
+    EncodeScores,
+    HealthsOf,
+    answer_scores,
+    encode_arguments,
+    scores_json,
+)
 from kvindex.api.schemas import JSON_ENCODER, EncodedScoreResponse, ScoreResponse
 from kvindex.indexer.events import BlocksRemoved, BlocksStored, PodRef
 from kvindex.indexer.index import HolderIds, KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.status import VOUCHED_STATES, HealthReader, PodHealth
+from kvindex.indexer.status import HealthReader, PodHealth
 
 PROMPT = list(range(1, 13))
 OTHER_PROMPT = list(range(101, 109))
@@ -52,20 +59,8 @@ def writer_arguments(
 ) -> list[object]:
     """encode_scores' arguments, in order; healths None: every first-block pod's is None."""
     first_entries = [index.entry(entry_id) for entry_id in holder_ids[0]]
-    return [
-        holder_ids,
-        first_entries,
-        index.entry,
-        [None] * len(first_entries) if healths is None else healths,
-        dict(policy.tier_weights),
-        policy.unknown_tier_weight,
-        policy.block_size,
-        policy.report_tiers,
-        policy.states,
-        VOUCHED_STATES,
-        policy.grace_s,
-        policy.by_score,
-    ]
+    given = [None] * len(first_entries) if healths is None else healths
+    return list(encode_arguments(index, holder_ids, first_entries, given, policy))
 
 
 def first_refs(index: KVIndex, holder_ids: list[HolderIds]) -> list[PodRef]:
