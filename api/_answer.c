@@ -893,13 +893,41 @@ put_row(Buf *buf, const Row *row, long long block_size, PyObject *report_tiers)
     return 0;
 }
 
+/* A compact answer's entry, [pod, dp_rank, matched_blocks, score] (schemas.CompactPodScore): what msgspec
+ * writes for that tuple; 0 done, 1 decline, -1 error. */
+static int
+put_compact_row(Buf *buf, const Row *row)
+{
+    if (buf_reserve(buf, 8) < 0) {
+        return -1;
+    }
+    PUT_LITERAL(buf, "[");
+    if (put_utf8(buf, row->pod_utf8, row->pod_len) < 0) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    if (buf_reserve(buf, 96) < 0) {
+        return -1;
+    }
+    PUT_LITERAL(buf, ",");
+    put_int(buf, row->dp_rank);
+    PUT_LITERAL(buf, ",");
+    put_int(buf, (long long)row->run);
+    PUT_LITERAL(buf, ",");
+    if (put_float(buf, row->score) < 0) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    PUT_LITERAL(buf, "]");
+    return 0;
+}
+
 PyDoc_STRVAR(encode_scores_doc,
              "encode_scores(holder_ids, first_entries, entry_of, healths, tier_weights, unknown_tier_weight,\n"
-             "              block_size, report_tiers, states, vouched_states, grace_s, by_score, /)\n"
+             "              block_size, report_tiers, states, vouched_states, grace_s, by_score, compact, /)\n"
              "--\n\n"
              "The JSON of a score answer's `scores` list and its best matched_blocks, or None when the\n"
              "Python path must build it (see the module's docstring). `healths`: the first block's pods'\n"
-             "PodHealth (or None), in first_entries' order, or a HealthReader to read them from the streams.");
+             "PodHealth (or None), in first_entries' order, or a HealthReader to read them from the streams.\n"
+             "`compact`: each entry as [pod, dp_rank, matched_blocks, score] instead of an object.");
 
 /* 0 to go on; else the value to return (None: declined; NULL: error). */
 #define DECLINE_OR_FAIL(outcome) ((outcome) > 0 ? Py_NewRef(Py_None) : NULL)
@@ -908,8 +936,8 @@ static PyObject *
 encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 12) {
-        PyErr_Format(PyExc_TypeError, "encode_scores takes 12 arguments (%zd given)", nargs);
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "encode_scores takes 13 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *holder_ids = args[0], *first_entries = args[1], *entry_of = args[2], *healths = args[3];
@@ -948,7 +976,8 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long long block_size = PyLong_AsLongLong(args[6]);
     double grace_s = PyFloat_AsDouble(args[10]);
     int by_score = PyObject_IsTrue(args[11]);
-    if (PyErr_Occurred() || by_score < 0) {
+    int compact = PyObject_IsTrue(args[12]);
+    if (PyErr_Occurred() || by_score < 0 || compact < 0) {
         return NULL;
     }
     if (block_size < 1 || block_size > (1LL << 24)) {
@@ -1054,7 +1083,7 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             else {
                 best = rows[i].run;
             }
-            outcome = put_row(&buf, &rows[i], block_size, report_tiers);
+            outcome = compact ? put_compact_row(&buf, &rows[i]) : put_row(&buf, &rows[i], block_size, report_tiers);
             if (outcome != 0) {
                 result = DECLINE_OR_FAIL(outcome);
                 goto done;

@@ -16,5 +16,6 @@ def encode_scores(
     vouched_states: frozenset[str],
     grace_s: float,
     by_score: bool,
+    compact: bool,
     /,
 ) -> tuple[bytes, int] | None: ...

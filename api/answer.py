@@ -37,6 +37,7 @@ class EncodeScores(Protocol):
         vouched_states: frozenset[str],
         grace_s: float,
         by_score: bool,
+        compact: bool,
         /,
     ) -> tuple[bytes, int] | None: ...
 
@@ -77,6 +78,7 @@ class AnswerPolicy(msgspec.Struct, frozen=True):
     grace_s: float  # a disconnected pod is left out after this long, unless `states` asks for it
     states: frozenset[str] | None = None  # only pods in these states (None: the default filter)
     by_score: bool = True  # False: rank "trust", vouched pods first
+    compact: bool = False  # each entry as CompactPodScore (the request's "answer": "compact")
 
 
 def with_health(
@@ -139,7 +141,16 @@ def scores_json(
         if written is not None:
             return written
     entries = answer_scores(index, holder_ids, healths_of, policy)
-    return JSON_ENCODER.encode(entries), entries[0].matched_blocks if entries else 0
+    return encode_entries(entries, compact=policy.compact), entries[0].matched_blocks if entries else 0
+
+
+def encode_entries(entries: Sequence[PodScore], *, compact: bool) -> bytes:
+    """The `scores` JSON of these entries: full objects, or CompactPodScore arrays."""
+    if compact:
+        return JSON_ENCODER.encode(
+            [(entry.pod_id, entry.dp_rank, entry.matched_blocks, entry.score) for entry in entries]
+        )
+    return JSON_ENCODER.encode(entries)
 
 
 def encode_arguments(
@@ -163,6 +174,7 @@ def encode_arguments(
         VOUCHED_STATES,
         policy.grace_s,
         policy.by_score,
+        policy.compact,
     )
 
 

@@ -17,6 +17,7 @@ import msgspec.inspect
 from aiohttp import web
 from kvindex.api.schemas import (
     JSON_ENCODER,
+    CompactScoreResponse,
     ErrorBody,
     HealthBody,
     PodsResponse,
@@ -25,12 +26,22 @@ from kvindex.api.schemas import (
     ScoreResponse,
     StatusResponse,
 )
+from kvindex.indexer.status import IngestCounters
 
 OPENAPI_VERSION = "3.1.0"  # its schema dialect is JSON Schema 2020-12, which msgspec emits
 REF_TEMPLATE = "#/components/schemas/{name}"
 BEARER_SCHEME = "bearerAuth"
 REQUEST_TYPES = (ScoreRequest,)
-RESPONSE_TYPES = (ScoreResponse, PodsResponse, ErrorBody, HealthBody, ReadyBody, StatusResponse)
+RESPONSE_TYPES = (
+    ScoreResponse,
+    CompactScoreResponse,
+    PodsResponse,
+    IngestCounters,
+    ErrorBody,
+    HealthBody,
+    ReadyBody,
+    StatusResponse,
+)
 
 
 def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
@@ -38,7 +49,17 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
     refs, schemas = msgspec.json.schema_components(
         (*REQUEST_TYPES, *RESPONSE_TYPES), ref_template=REF_TEMPLATE
     )
-    score_request, score_response, pods_response, error_body, health_body, ready_body, status_response = refs
+    (
+        score_request,
+        score_response,
+        compact_score_response,
+        pods_response,
+        ingest_counters,
+        error_body,
+        health_body,
+        ready_body,
+        status_response,
+    ) = refs
     _require_what_is_always_sent(schemas)
 
     def json_body(description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +90,10 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
                 },
                 "responses": {
                     "200": json_body(
-                        "scores, best first; pods holding none of the prompt are omitted", score_response
+                        "scores, best first; pods holding none of the prompt are omitted (with "
+                        '"answer": "compact", each entry as [pod, dp_rank, matched_blocks, score])',
+                        # anyOf, not oneOf: an answer with no entries fits both.
+                        {"anyOf": [score_response, compact_score_response]},
                     ),
                     "400": error("a bad request body; the message names the field"),
                     **auth_errors,
@@ -86,6 +110,18 @@ def openapi_document(*, bearer_auth: bool) -> dict[str, Any]:
                 "summary": "Every (pod, DP rank) stream and the state of its ingest",
                 "responses": {
                     "200": json_body("one entry per stream", pods_response),
+                    **auth_errors,
+                    "default": error("any other error"),
+                },
+                **protected,
+            }
+        },
+        "/v1/ingest": {
+            "get": {
+                "operationId": "ingest",
+                "summary": "The write path's process-wide counters (events applied, dropped, gaps, replays, ...)",
+                "responses": {
+                    "200": json_body("the counters /metrics exposes without per-pod labels", ingest_counters),
                     **auth_errors,
                     "default": error("any other error"),
                 },

@@ -68,6 +68,10 @@ class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "trust": pods kvindex can vouch for (live) rank above the others, each group by score; "score":
     # by score alone.
     rank: Literal["trust", "score"] = "trust"
+    # "compact": each entry as [pod, dp_rank, matched_blocks, score] (CompactScoreResponse), the same
+    # entries in the same order, without by_tier and health: for routers that read only the match,
+    # whose JSON parse of a full answer (~150 B an entry, 100-200 entries) cost more than the score.
+    answer: Literal["full", "compact"] = "full"
 
 
 class ScoreResponse(msgspec.Struct, frozen=True):
@@ -80,8 +84,23 @@ class ScoreResponse(msgspec.Struct, frozen=True):
     unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
+# A compact answer's entry: pod, dp_rank, matched_blocks, score (the full entry's fields of those names).
+CompactPodScore = tuple[str, int, int, float]
+
+
+class CompactScoreResponse(msgspec.Struct, frozen=True):
+    """`POST /v1/score` with `"answer": "compact"`: ScoreResponse's entries as CompactPodScore arrays."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    scores: list[CompactPodScore]  # best first, the same entries as the full answer's
+    unknown_pods: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
 class EncodedScoreResponse(msgspec.Struct, frozen=True):
-    """ScoreResponse with its `scores` already JSON (api/answer.py writes them): the same bytes."""
+    """ScoreResponse (or CompactScoreResponse) with its `scores` already JSON (api/answer.py writes
+    them): the same bytes."""
 
     model: str
     block_size: int

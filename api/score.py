@@ -175,6 +175,7 @@ class ScoreHandler:
             grace_s=self._service.settings.disconnected_grace_s,
             states=None if request.states is None else frozenset(request.states),
             by_score=request.rank == "score",
+            compact=request.answer == "compact",
         )
         holder_ids = runtime.index.lookup_ids(block_keys, request.pods)
         scores, best = scores_json(

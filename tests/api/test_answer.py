@@ -25,9 +25,10 @@ from kvindex.api.answer import (
     HealthsOf,
     answer_scores,
     encode_arguments,
+    encode_entries,
     scores_json,
 )
-from kvindex.api.schemas import JSON_ENCODER, EncodedScoreResponse, ScoreResponse
+from kvindex.api.schemas import JSON_ENCODER, CompactScoreResponse, EncodedScoreResponse, ScoreResponse
 from kvindex.indexer.events import BlocksRemoved, BlocksStored, PodRef
 from kvindex.indexer.index import HolderIds, KVIndex
 from kvindex.indexer.ingest import IngestService, IngestSettings
@@ -78,7 +79,7 @@ def definition(
     index: KVIndex, holder_ids: list[HolderIds], healths: dict[PodRef, PodHealth | None], policy: AnswerPolicy
 ) -> tuple[bytes, int]:
     entries = answer_scores(index, holder_ids, health_table(healths), policy)
-    return JSON_ENCODER.encode(entries), entries[0].matched_blocks if entries else 0
+    return encode_entries(entries, compact=policy.compact), entries[0].matched_blocks if entries else 0
 
 
 def store(index: KVIndex, ref: PodRef, keys: Sequence[int], tier: str = "GPU") -> None:
@@ -132,6 +133,7 @@ POLICIES = st.builds(
     grace_s=st.sampled_from([0.0, 1.0, 30.0]),
     states=st.one_of(st.none(), st.frozensets(st.sampled_from(STATES), max_size=4)),
     by_score=st.booleans(),
+    compact=st.booleans(),
 )
 
 
@@ -175,6 +177,35 @@ def test_the_writer_writes_what_the_definition_encodes(
         assert scores_json(index, holder_ids, health_table(healths), policy) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(fleet=fleets(), policy=POLICIES)
+def test_a_compact_answer_is_the_full_answer_s_entries_in_brief(
+    fleet: tuple[KVIndex, dict[PodRef, PodHealth | None]], policy: AnswerPolicy
+) -> None:
+    """Whichever writer answers: the same entries, in the same order, as [pod, dp_rank, matched_blocks,
+    score], and the same best match."""
+    index, healths = fleet
+    holder_ids = index.lookup_ids(PROMPT)
+    for encode in (built(), None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(answer, "encode_scores", encode)
+            full, best = scores_json(
+                index, holder_ids, health_table(healths), policy_of_fields(policy, False)
+            )
+            brief, brief_best = scores_json(
+                index, holder_ids, health_table(healths), policy_of_fields(policy, True)
+            )
+        entries = msgspec.json.decode(full)
+        assert msgspec.json.decode(brief) == [
+            [entry["pod"], entry["dp_rank"], entry["matched_blocks"], entry["score"]] for entry in entries
+        ]
+        assert brief_best == best
+
+
+def policy_of_fields(policy: AnswerPolicy, compact: bool) -> AnswerPolicy:
+    return msgspec.structs.replace(policy, compact=compact)
+
+
 def fleet_of_one_tier_per_pod() -> tuple[KVIndex, dict[PodRef, PodHealth | None]]:
     """Ten pods on one tier each, runs 1..12 blocks, some CPU; every kind of health."""
     index = KVIndex()
@@ -198,8 +229,10 @@ def fleet_of_one_tier_per_pod() -> tuple[KVIndex, dict[PodRef, PodHealth | None]
         policy_of(by_score=False),
         policy_of(states=frozenset({"live", "disconnected"})),
         policy_of(tier_weights={"GPU": 1 / 3, "CPU": 0.8}, report_tiers=()),
+        policy_of(compact=True),
+        policy_of(compact=True, by_score=False, tier_weights={"GPU": 1 / 3, "CPU": 0.8}),
     ],
-    ids=["default", "trust", "states", "thirds"],
+    ids=["default", "trust", "states", "thirds", "compact", "compact-trust-thirds"],
 )
 def test_the_common_shape_is_written_not_declined(policy: AnswerPolicy) -> None:
     index, healths = fleet_of_one_tier_per_pod()
@@ -281,6 +314,9 @@ def test_the_encoded_response_is_the_score_response(unknown_pods: list[str] | ms
     fields = {"model": "m", "block_size": 16, "num_blocks": len(PROMPT), "unknown_pods": unknown_pods}
     encoded = EncodedScoreResponse(scores=msgspec.Raw(JSON_ENCODER.encode(entries)), **fields)  # type: ignore[arg-type]
     assert JSON_ENCODER.encode(encoded) == JSON_ENCODER.encode(ScoreResponse(scores=entries, **fields))  # type: ignore[arg-type]
+    brief = [(entry.pod_id, entry.dp_rank, entry.matched_blocks, entry.score) for entry in entries]
+    encoded = EncodedScoreResponse(scores=msgspec.Raw(encode_entries(entries, compact=True)), **fields)  # type: ignore[arg-type]
+    assert JSON_ENCODER.encode(encoded) == JSON_ENCODER.encode(CompactScoreResponse(scores=brief, **fields))  # type: ignore[arg-type]
 
 
 # -- the writer reading the streams' health itself ---------------------------------------------------
@@ -352,7 +388,7 @@ def definition_with(
     index: KVIndex, holder_ids: list[HolderIds], healths_of: HealthsOf, policy: AnswerPolicy
 ) -> tuple[bytes, int]:
     entries = answer_scores(index, holder_ids, healths_of, policy)
-    return JSON_ENCODER.encode(entries), entries[0].matched_blocks if entries else 0
+    return encode_entries(entries, compact=policy.compact), entries[0].matched_blocks if entries else 0
 
 
 def test_the_streams_a_replica_does_not_own_are_left_to_the_service(service: IngestService) -> None:

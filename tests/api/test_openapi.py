@@ -148,6 +148,8 @@ KEYED_EXCHANGES: list[tuple[str, str, str, Any, int]] = [
         200,
     ),
     ("score held by nobody", "post", "/v1/score", {"model": "m2", "token_ids": TOKENS}, 200),
+    ("compact score", "post", "/v1/score", {"model": "m", "token_ids": TOKENS, "answer": "compact"}, 200),
+    ("unknown answer", "post", "/v1/score", {"model": "m", "token_ids": TOKENS, "answer": "short"}, 400),
     ("malformed JSON", "post", "/v1/score", b'{"model": "m", "token_ids": [1,', 400),
     (
         "both tokens and hashes",
@@ -161,6 +163,7 @@ KEYED_EXCHANGES: list[tuple[str, str, str, Any, int]] = [
     ("model omitted with two models", "post", "/v1/score", {"token_ids": [1]}, 400),
     ("unknown model", "post", "/v1/score", {"model": "gpt-9", "token_ids": TOKENS}, 404),
     ("pods", "get", "/v1/pods", None, 200),
+    ("ingest counters", "get", "/v1/ingest", None, 200),
     ("status", "get", "/v1/status", None, 200),
     ("status page", "get", "/", None, 200),
     ("status page at /ui", "get", "/ui", None, 200),
@@ -230,27 +233,21 @@ def test_real_answers_match_the_served_schemas(servers: Servers) -> None:
         if name == "score by token ids":
             (entry,) = instance["scores"]
             assert (entry["pod"], entry["matched_blocks"], entry["state"]) == ("pod-a", 4, "live")
+        if name == "compact score":
+            assert instance["scores"] == [["pod-a", 0, 4, 4.0]]
 
     # The 401 of the key, /readyz's 503 (the open server wants two live pods), a 413 refused before
     # the body is sent.
-    refused = asyncio.run(send("get", servers.keyed.url + "/v1/pods", auth=False))
-    assert refused.status == 401
-    validate(
-        document,
-        response_schema(document, "/v1/pods", "get", 401, refused.media_type),
-        decoded(refused),
-        close=True,
-    )
-    seen.add(("/v1/pods", "get", "401"))
-    refused = asyncio.run(send("get", servers.keyed.url + "/v1/status", auth=False))
-    assert refused.status == 401
-    validate(
-        document,
-        response_schema(document, "/v1/status", "get", 401, refused.media_type),
-        decoded(refused),
-        close=True,
-    )
-    seen.add(("/v1/status", "get", "401"))
+    for path in ("/v1/pods", "/v1/ingest", "/v1/status"):
+        refused = asyncio.run(send("get", servers.keyed.url + path, auth=False))
+        assert refused.status == 401
+        validate(
+            document,
+            response_schema(document, path, "get", 401, refused.media_type),
+            decoded(refused),
+            close=True,
+        )
+        seen.add((path, "get", "401"))
     refused = asyncio.run(
         send("post", servers.keyed.url + "/v1/score", json_body={"token_ids": TOKENS}, auth=False)
     )

@@ -159,6 +159,25 @@ def test_block_hash_input_scores_like_token_ids(
     assert_scores(by_hashes["scores"], expected(fleet, fleet.keys_a))
 
 
+@pytest.mark.parametrize("prompt", ["a", "b"])
+def test_a_compact_answer_lists_the_reference_s_pods_in_brief(
+    fleet_server: tuple[Fleet, IngestService, ServerThread], prompt: str
+) -> None:
+    fleet, _, server = fleet_server
+    tokens, keys = (fleet.prompt_a, fleet.keys_a) if prompt == "a" else (fleet.prompt_b, fleet.keys_b)
+    every_pod = ["pod-x", "pod-a", "pod-b", "pod-c"]
+    response = score(server, {"model": "m", "token_ids": tokens, "answer": "compact", "pods": every_pod})
+    assert set(response) == {"model", "block_size", "num_blocks", "scores", "unknown_pods"}
+    assert (response["block_size"], response["unknown_pods"]) == (BLOCK_SIZE, ["pod-x"])
+    wanted = expected(fleet, keys)
+    assert [entry[:3] for entry in response["scores"]] == [
+        [want["pod"], want["dp_rank"], want["matched_blocks"]] for want in wanted
+    ]
+    assert [entry[3] for entry in response["scores"]] == pytest.approx([want["score"] for want in wanted])
+    nobody = score(server, {"model": "m", "block_hashes": [1, 2, 3], "answer": "compact"})
+    assert nobody == {"model": "m", "block_size": BLOCK_SIZE, "num_blocks": 3, "scores": []}
+
+
 def test_zero_runs_are_omitted_and_best_comes_first(
     fleet_server: tuple[Fleet, IngestService, ServerThread],
 ) -> None:
@@ -232,6 +251,20 @@ def test_pods_health_and_readiness(fleet_server: tuple[Fleet, IngestService, Ser
     assert rows[("pod-a", 0)]["blocks"] == 15  # 16 stored, 1 removed
     assert asyncio.run(get_json(server.url + "/healthz"))[0] == 200
     assert asyncio.run(get_json(server.url + "/readyz")) == (200, {"ready": True, "live_pods": 4})
+
+
+def test_ingest_counters_count_what_the_fleet_published(
+    fleet_server: tuple[Fleet, IngestService, ServerThread],
+) -> None:
+    """GET /v1/ingest: Fleet.publish sent six BlockStored (pod-a 1, pod-b 2, pod-c 2 + 1) and one
+    BlockRemoved, all applied; nothing dropped, no gap."""
+    _, _, server = fleet_server
+    status, counters = asyncio.run(get_json(server.url + "/v1/ingest"))
+    assert status == 200
+    assert counters["events_applied"] == {"BlockStored": 6, "BlockRemoved": 1}
+    assert (counters["dropped"], counters["gaps"], counters["restarts"]) == ({}, 0, 0)
+    _, pods = asyncio.run(get_json(server.url + "/v1/pods"))
+    assert sum(pod["events_total"] for pod in pods["pods"]) == 7
 
 
 # --- LoRA, cache salt and multimodal requests hash exactly like vLLM (golden vectors) ----------------
