@@ -8,6 +8,7 @@ bytes (sequential is fairer on a small box than running both at once). Timings u
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -167,6 +168,7 @@ class Subject(Protocol):
     def progress(self) -> str: ...
     def rss_bytes(self) -> int: ...
     def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]: ...
+    def full_token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]: ...
     def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]: ...
     def blocks_per_engine(self, response: Any) -> dict[int, int]: ...
 
@@ -174,13 +176,18 @@ class Subject(Protocol):
 class KvindexSubject:
     name = "kvindex"
 
-    def __init__(self, service: KvindexService, publishers: Publishers) -> None:
+    def __init__(self, service: KvindexService, publishers: Publishers, events_per_round: int) -> None:
         self.service = service
         self.publishers = publishers
+        self.events_per_round = events_per_round
         self.port = service.port
 
     def caught_up(self, round_index: int) -> bool:
-        return self.service.caught_up(self.publishers.last_seqs(round_index))
+        # Dynamo's criterion (events applied, one counter), read from /v1/ingest: polling /v1/pods at
+        # 1,000 pods cost the service ~2 ms of GIL and this client ~5 ms of json.loads every 50 ms, on
+        # the two cores being measured. A duplicate is skipped, never applied, so the count is reached
+        # when every pod's last seq is (and the score answers that follow are checked).
+        return self.service.events_applied() >= (round_index + 1) * self.events_per_round
 
     def progress(self) -> str:
         pods = self.service.pods()
@@ -190,11 +197,18 @@ class KvindexSubject:
     def rss_bytes(self) -> int:
         return self.service.rss_bytes()
 
+    # The compact answer ([pod, dp_rank, matched_blocks, score] per pod) is what a router asks for, and what
+    # Dynamo answers (tokens per worker and rank); the full answer's ~150 B per pod (by_tier, health) cost
+    # the client's json.loads ~130 us per 100 pods, more than kvindex's whole handler. The full answer is
+    # timed as its own row (full_token_request).
     def token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]:
+        return "/v1/score", self.service.score_body(token_ids=token_ids, answer="compact")
+
+    def full_token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]:
         return "/v1/score", self.service.score_body(token_ids=token_ids)
 
     def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]:
-        return "/v1/score", self.service.score_body(block_hashes=event_hashes)
+        return "/v1/score", self.service.score_body(block_hashes=event_hashes, answer="compact")
 
     def blocks_per_engine(self, response: Any) -> dict[int, int]:
         return blocks_per_engine_kvindex(response)
@@ -221,6 +235,9 @@ class DynamoSubject:
         body = {"token_ids": list(token_ids), "model_name": self.indexer.model_name}
         return "/query", json.dumps(body).encode()
 
+    def full_token_request(self, token_ids: Sequence[int]) -> tuple[str, bytes]:
+        return self.token_request(token_ids)  # Dynamo has one answer shape
+
     def hash_request(self, token_ids: Sequence[int], event_hashes: Sequence[int]) -> tuple[str, bytes]:
         # Dynamo cannot take vLLM's event hashes; a router would hold Dynamo's own, so they are precomputed.
         local = dynamo_local_hashes(token_ids, self.indexer.block_size)
@@ -244,7 +261,7 @@ def start_subject(
             try:
                 if serve_args:
                     _await_owned(svc)
-                yield KvindexSubject(svc, publishers)
+                yield KvindexSubject(svc, publishers, feed.num_events)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; kvindex log: {svc.log_tail(1500)}") from exc
     else:
@@ -361,6 +378,8 @@ def _requests(subject: Subject, feed: Feed, kinds: Sequence[str]) -> dict[str, l
     for kind in kinds:
         if kind == "tokens":
             made[kind] = [subject.token_request(q.token_ids) for q in feed.queries]
+        elif kind == "tokens_full":
+            made[kind] = [subject.full_token_request(q.token_ids) for q in feed.queries]
         else:
             made[kind] = [subject.hash_request(q.token_ids, q.event_hashes) for q in feed.queries]
     return made
@@ -383,6 +402,11 @@ def time_queries(
     """
     client = JsonClient(subject.port)
     results = {kind: Latencies() for kind in requests}
+    # The cyclic collector stays out of the timed loop (as timeit keeps it out): a collection in this
+    # client lands on whichever request it interrupts, of either service (seen: 10-35 ms pauses with
+    # the feed's objects in the heap).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         for path, body in next(iter(requests.values()))[:3] if warm_up else []:  # untimed warm-up
             client.request("POST", path, body)
@@ -401,6 +425,8 @@ def time_queries(
                 break
     finally:
         client.close()
+        if gc_was_enabled:
+            gc.enable()
     return results
 
 
@@ -437,7 +463,7 @@ def run_subject(
             result.during = time_queries(
                 subject,
                 feed,
-                requests,
+                {kind: made for kind, made in requests.items() if kind != "tokens_full"},
                 keep_going=lambda: not subject.caught_up(1),
                 max_rounds=20,
                 warm_up=False,
@@ -516,6 +542,7 @@ def build(spec: WorkloadSpec, log: Callable[[str], None], *, lean: bool = False)
         workload = build_workload(spec)
         payloads = [encode_engine(engine) for engine in workload.engines]
         feed = Feed(spec, payloads, workload.num_events, workload.num_blocks, workload.queries)
+    gc.freeze()  # the feed lives as long as the run: no collection need walk it again
     log(
         f"  built {spec.num_engines} engines x {spec.blocks_per_engine} blocks "
         f"({feed.num_events} BlockStored) in {time.perf_counter() - began:.1f}s"

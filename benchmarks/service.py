@@ -219,6 +219,11 @@ class KvindexService(ManagedProcess):
         pods: list[dict[str, Any]] = self._client().request("GET", "/v1/pods")["pods"]
         return pods
 
+    def events_applied(self) -> int:
+        """Events applied so far, every kind (GET /v1/ingest: one counter, cheap at any fleet size)."""
+        counters = self._client().request("GET", "/v1/ingest")
+        return sum(counters["events_applied"].values())
+
     def last_seqs(self) -> dict[int, int | None]:
         """Engine index -> the last seq kvindex has applied for it (None before the first)."""
         return {engine_index_of(pod["pod"]): pod.get("last_seq") for pod in self.pods()}
@@ -232,9 +237,16 @@ class KvindexService(ManagedProcess):
         return True
 
     def score_body(
-        self, *, token_ids: Sequence[int] | None = None, block_hashes: Sequence[int] | None = None
+        self,
+        *,
+        token_ids: Sequence[int] | None = None,
+        block_hashes: Sequence[int] | None = None,
+        answer: str | None = None,
     ) -> bytes:
+        """A /v1/score body; `answer` "compact" asks for [pod, dp_rank, matched_blocks, score] entries."""
         body: dict[str, Any] = {"model": self.model}
+        if answer is not None:
+            body["answer"] = answer
         if token_ids is not None:
             body["token_ids"] = list(token_ids)
         if block_hashes is not None:
@@ -247,12 +259,15 @@ class KvindexService(ManagedProcess):
 
 
 def blocks_per_engine_kvindex(response: Mapping[str, Any]) -> dict[int, int]:
-    """kvindex's /v1/score answer -> engine index -> matched blocks."""
-    return {
-        engine_index_of(entry["pod"]): int(entry["matched_blocks"])
-        for entry in response.get("scores", [])
-        if entry["matched_blocks"] > 0
-    }
+    """kvindex's /v1/score answer (full or compact) -> engine index -> matched blocks."""
+    blocks: dict[int, int] = {}
+    for entry in response.get("scores", []):
+        pod, matched = (
+            (entry[0], entry[2]) if isinstance(entry, list) else (entry["pod"], entry["matched_blocks"])
+        )
+        if matched > 0:
+            blocks[engine_index_of(pod)] = int(matched)
+    return blocks
 
 
 def blocks_per_engine_dynamo(response: Mapping[str, Any], block_size: int) -> dict[int, int]:
