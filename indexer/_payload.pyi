@@ -4,3 +4,6 @@ def without_token_ids(payload: bytes, min_bytes: int = 1024, /) -> bytes | None:
 def read_events(
     payload: bytes, stored_type: Any, removed_type: Any, cleared: Any, gpu_tier: str, /
 ) -> tuple[float, tuple[Any, ...], int | None] | None: ...
+def read_events_many(
+    payloads: list[bytes], stored_type: Any, removed_type: Any, cleared: Any, gpu_tier: str, /
+) -> list[tuple[float, tuple[Any, ...], int | None] | None]: ...

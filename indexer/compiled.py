@@ -67,6 +67,25 @@ def load_event_reader() -> EventReader | None:
 # Read per call by decode.py.
 read_events: EventReader | None = None if pure_python_forced() else load_event_reader()
 
+# (payloads, BlocksStored, BlocksRemoved, the AllBlocksCleared, the GPU tier) -> EventReader's answer for
+# each payload, their bytes walked in one stretch without the GIL.
+ManyEventReader = Callable[
+    [list[bytes], Any, Any, Any, str], "list[tuple[float, tuple[Any, ...], int | None] | None]"
+]
+
+
+def load_many_event_reader() -> ManyEventReader | None:
+    """kvindex.indexer._payload's read_events_many if it was built, whatever KVINDEX_PURE_PYTHON says."""
+    try:
+        from kvindex.indexer import _payload
+    except ImportError:
+        return None
+    return _payload.read_events_many
+
+
+# Read per call by decode.py.
+read_events_many: ManyEventReader | None = None if pure_python_forced() else load_many_event_reader()
+
 
 def describe() -> str:
     """One line for the logs: which core runs."""

@@ -24,6 +24,7 @@ from kvindex.indexer.shard import (
     STORE,
     HolderIds,
     KeyGroup,
+    Shard,
     ShardCore,
     Step,
 )
@@ -185,6 +186,54 @@ class KVIndex:
                 shard.apply_steps(steps, pod_entry_ids, counts)
             return ApplyStats(*counts)
         return self._apply_sharded(pod, events)
+
+    def apply_many(self, batches: Sequence[tuple[PodRef, Sequence[KVEvent]]]) -> list[ApplyStats | Exception]:
+        """`apply` of each (pod, events) in order: per batch its ApplyStats, or the exception its `apply`
+        raised (that batch is left out, the others go on, as separate `apply` calls would).
+
+        On the compiled core the batches it reads are applied in one call whose table work runs without the
+        GIL (a worker's drain: one batch per pod it heard from), so the poller's Python work goes on on the
+        other core meanwhile. A batch it declines (a pod or tier seen for the first time, anything the
+        facade must look at) takes `apply`, in its place in the order. Should the core itself fail (memory
+        exhaustion), each batch of that call gets the exception: some may be partly applied, as a failed
+        `apply` may be.
+        """
+        results: list[ApplyStats | Exception] = []
+        if self.num_shards != 1 or type(self._shards[0]) is Shard:  # the reference declines every batch
+            for pod, events in batches:
+                results.append(self._apply_or_exception(pod, events))
+            return results
+        shard, lock = self._shards[0], self._locks[0]
+        tier_entry_ids_of, pod_entry_ids_of = self._pod_tier_entry_ids, self._pod_entry_ids
+        done = 0
+        while done < len(batches):
+            readable: list[tuple[Sequence[KVEvent], dict[str, int], frozenset[int], list[int]]] = []
+            for pod, events in batches[done:]:
+                tier_entry_ids = tier_entry_ids_of.get(pod)
+                if tier_entry_ids is None or type(events) not in (list, tuple):
+                    break
+                readable.append((events, tier_entry_ids, pod_entry_ids_of[pod], [0] * NUM_COUNTS))
+            if readable:
+                try:
+                    with lock:
+                        applied = shard.apply_many(readable, BlocksStored, BlocksRemoved, AllBlocksCleared)
+                except Exception as exc:  # the core failed: memory exhaustion
+                    results.extend(exc for _ in readable)
+                    done += len(readable)
+                    continue
+                results.extend(ApplyStats(*counts) for _, _, _, counts in readable[:applied])
+                done += applied
+            if done < len(batches):
+                pod, events = batches[done]
+                results.append(self._apply_or_exception(pod, events))
+                done += 1
+        return results
+
+    def _apply_or_exception(self, pod: PodRef, events: Sequence[KVEvent]) -> ApplyStats | Exception:
+        try:
+            return self.apply(pod, events)
+        except Exception as exc:  # the caller's to report, with the pod it belongs to
+            return exc
 
     def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[Step]:
         """The batch as one shard's steps, in event order; raises before anything changes.

@@ -111,6 +111,19 @@ class ShardCore(Protocol):
         steps itself. `tier_entry_ids`: the pod's entry id per tier (a tier not in it declines)."""
         ...
 
+    def apply_many(
+        self,
+        batches: list[tuple[Sequence[KVEvent], dict[str, int], frozenset[int], list[int]]],
+        stored_type: type[BlocksStored],
+        removed_type: type[BlocksRemoved],
+        cleared_type: type[AllBlocksCleared],
+        /,
+    ) -> int:
+        """apply_events of each (events, tier_entry_ids, pod_entry_ids, counts) in order, as one call (the
+        compiled core does the table work of all of them without the GIL); stops at the first batch it
+        declines and returns how many it applied (the facade applies that one its own way)."""
+        ...
+
     def clear_entries(self, entry_ids: Iterable[int], /) -> int: ...
 
     def lookup_run(
@@ -234,6 +247,17 @@ class Shard:
     ) -> bool:
         """Always declines: the reference takes the facade's steps (apply_steps)."""
         return False
+
+    def apply_many(
+        self,
+        batches: list[tuple[Sequence[KVEvent], dict[str, int], frozenset[int], list[int]]],
+        stored_type: type[BlocksStored],
+        removed_type: type[BlocksRemoved],
+        cleared_type: type[AllBlocksCleared],
+        /,
+    ) -> int:
+        """Declines the first batch, as apply_events declines every one."""
+        return 0
 
     def apply_steps(self, steps: Sequence[Step], pod_entry_ids: frozenset[int], counts: list[int]) -> None:
         for step in steps:

@@ -72,6 +72,12 @@ class Store(Protocol):
     # write path
     def apply(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats: ...
 
+    # `apply` of each (pod, events) in order: per batch its stats, or the exception its `apply` raised
+    # (that batch left out, the others applied).
+    def apply_many(
+        self, batches: Sequence[tuple[PodRef, Sequence[KVEvent]]]
+    ) -> list[ApplyStats | Exception]: ...
+
     def clear_pod(self, pod: PodRef) -> int: ...
 
     # read path

@@ -27,7 +27,7 @@ class IngestSettings(msgspec.Struct, frozen=True):
     # A full queue holds the poller up to this long (messages wait in ZMQ's buffers meanwhile) before a
     # message is dropped: a burst then costs latency, not a gap (which a pod without replay can't repair).
     queue_full_wait_s: float = 2.0
-    max_batch: int = 64  # messages a worker takes per wakeup (one index.apply per pod among them)
+    max_batch: int = 64  # messages a worker takes per wakeup (read at once, applied with one apply_many)
     silent_after_s: float = 60.0  # connected but nothing received for this long -> state `silent`
     # A disconnected pod's blocks: within the grace they still count in score answers (flagged with the
     # state); past it they are kept but left out of answers by default; past forget_after_s they are

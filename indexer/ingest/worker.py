@@ -1,6 +1,7 @@
 """Write path, stages 3-6: one pod's work items, in order, on its worker thread. Decode -> sequence check
 (next -> apply; duplicate -> skip; gap -> replay from the pod's ROUTER; restart or lost history -> clear)
--> filter (non-prefix groups, block-size mismatch, sampled hash check) -> one `index.apply` per stream.
+-> filter (non-prefix groups, block-size mismatch, sampled hash check) -> one `index.apply_many` per drain
+(one batch per stream).
 
 Replays never run on the worker: a request goes to the replay fetcher (its own thread, every pod's
 requests at once) and its answer comes back through the pod's queue as a `ReplayDone`, in order with
@@ -16,7 +17,15 @@ import msgspec
 import xxhash
 import zmq
 from kvindex.indexer.convert import ConvertError
-from kvindex.indexer.decode import DecodeError, EventError, decode_batch, decode_event, raw_events
+from kvindex.indexer.decode import (
+    DecodedBatch,
+    DecodeError,
+    EventError,
+    decode_batch,
+    decode_event,
+    raw_events,
+    read_default_shapes,
+)
 from kvindex.indexer.events import (
     PREFIX_SPEC_KINDS,
     AllBlocksCleared,
@@ -125,15 +134,18 @@ class StreamWorker:
         self._raw_events: list[msgspec.Raw] = []
 
     def handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
-        """Everything a worker drained, in order. Kept events are gathered per stream and applied with
-        one `index.apply` per stream (flushed early before anything that must see them: a clear, a
-        replay, an AllBlocksCleared); counters are added once per call."""
+        """Everything a worker drained, in order. Live payloads are read first, all at once (off the GIL,
+        see decode.read_default_shapes); kept events are gathered per stream and applied with one
+        `apply_many` at the end (a stream is flushed early before anything that must see its events: a
+        clear, a replay, an AllBlocksCleared); counters are added once per call."""
         acc = _Accumulator()
+        live_payloads = [item.payload for _, item in entries if type(item) is LiveItem]
+        reads = iter(read_default_shapes(live_payloads) if len(live_payloads) > 1 else [None])
         try:
             for pod_id, item in entries:
                 try:
                     if type(item) is LiveItem:
-                        self._handle_live(pod_id, item, acc)
+                        self._handle_live(pod_id, item, acc, next(reads))
                     elif type(item) is ReplayDone:
                         self._handle_replay_done(item, acc)
                     elif type(item) is ControlItem:
@@ -149,9 +161,12 @@ class StreamWorker:
             self._raw_events_of, self._raw_events = None, []  # the drain's payloads may go
         self._heap.after_drain(idle=not self._queue_depth())
 
-    def _handle_live(self, pod_id: str, item: LiveItem, acc: _Accumulator) -> None:
+    def _handle_live(
+        self, pod_id: str, item: LiveItem, acc: _Accumulator, read: DecodedBatch | None = None
+    ) -> None:
+        """`read`: the payload already read by read_default_shapes (None: decode it here)."""
         self._heap.note(len(item.payload))
-        decoded = self._decode(pod_id, item.seq, item.payload)
+        decoded = (read, item.payload) if read is not None else self._decode(pod_id, item.seq, item.payload)
         stream = self._streams.by_source.get(item.source_id)
         if stream is None:
             stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
@@ -692,11 +707,38 @@ class StreamWorker:
             stream.indexed_seq = seq
 
     def _flush_all(self, acc: _Accumulator) -> None:
+        """Every stream's gathered events, as `_flush` would apply them one by one, in one `apply_many` per
+        model: on the in-memory index the table work of the whole drain runs without the GIL (with 1,000
+        pods a drain is ~64 pods' batches, each applied alone too short to be worth dropping it)."""
+        by_model: dict[str, list[tuple[Stream, list[KVEvent], int | None]]] = {}
         for stream in list(acc.pending.keys() | acc.pending_seq.keys()):
+            events = acc.pending.pop(stream, None)
+            seq = acc.pending_seq.pop(stream, None)
+            if not stream.owned:
+                continue
+            if events:
+                by_model.setdefault(stream.model, []).append((stream, events, seq))
+            elif seq is not None:
+                stream.indexed_seq = seq
+        for model, pending in by_model.items():
             try:
-                self._flush(stream, acc)
+                outcomes = self._models[model].index.apply_many([(s.ref, events) for s, events, _ in pending])
             except Exception:
-                log.exception("ingest worker failed to apply a batch of pod %s", stream.ref.pod_id)
+                log.exception("ingest worker failed to apply a drain of model %s", model)
+                continue
+            for (stream, events, seq), outcome in zip(pending, outcomes, strict=True):
+                if isinstance(outcome, (StoreUnavailable, LeaseLost)):
+                    self._lose(stream, outcome, acc)
+                    continue
+                if isinstance(outcome, Exception):
+                    log.error(
+                        "ingest worker failed to apply a batch of pod %s", stream.ref.pod_id, exc_info=outcome
+                    )
+                    continue
+                acc.unknown_parents += outcome.unknown_parents
+                stream.events_total += len(events)
+                if seq is not None:
+                    stream.indexed_seq = seq
         counters = self._counters
         with counters.lock:
             values = counters.values

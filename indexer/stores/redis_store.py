@@ -244,6 +244,16 @@ class RedisStore:
         """From now on, writes of a pod without a fence raise LeaseLost (replicas share this store)."""
         self._fenced_mode = True
 
+    def apply_many(self, batches: Sequence[tuple[PodRef, Sequence[KVEvent]]]) -> list[ApplyStats | Exception]:
+        """`apply` of each batch in order (one script call each): its stats, or the exception it raised."""
+        results: list[ApplyStats | Exception] = []
+        for pod, events in batches:
+            try:
+                results.append(self.apply(pod, events))
+            except Exception as exc:  # StoreUnavailable, LeaseLost, a bad event: the caller's to report
+                results.append(exc)
+        return results
+
     def apply(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
         """Apply one pod's events in order, as one atomic script call (see KVIndex.apply for the rules).
         The batch is validated before anything is sent: a bad event raises TypeError/ValueError."""

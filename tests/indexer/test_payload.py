@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from index_cores import require_payload_extension
 from kvindex.indexer import compiled
 from kvindex.indexer.compiled import EventReader
-from kvindex.indexer.decode import DecodeError, decode_batch
+from kvindex.indexer.decode import DecodeError, decode_batch, read_default_shapes
 from kvindex.indexer.events import TIER_GPU, AllBlocksCleared, BlocksRemoved, BlocksStored
 from replay_support import load_vectors
 
@@ -419,3 +419,58 @@ def test_random_bytes_never_crash_read_events() -> None:
             with pytest.MonkeyPatch.context() as patch:
                 original, through_reader, _ = read_both_ways(data, patch)
             assert through_reader == original
+
+
+# --- read_events_many: a worker's drain read at once --------------------------------------------------
+
+
+def read_drain_both_ways(payloads: list[bytes], patch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
+    """msgspec's answer for each payload, and read_default_shapes' (where it reads one; None elsewhere)."""
+    require_built(compiled.load_many_event_reader(), "kvindex.indexer._payload", "a C compiler")
+    patch.setattr(compiled, "read_events", None)
+    patch.setattr(compiled, "without_token_ids", None)
+    originals = [decode_or_reason(payload) for payload in payloads]
+    patch.setattr(compiled, "read_events_many", compiled.load_many_event_reader())
+    return originals, read_default_shapes(payloads)
+
+
+def test_a_drain_reads_what_msgspec_decodes_payload_by_payload() -> None:
+    """Recorded and benchmark batches, one drain well past the size at which the walk drops the GIL, with
+    damaged and foreign payloads among them: each is read as msgspec decodes it, or left to it (None)."""
+    payloads = recorded_payloads() * 3
+    rng = random.Random(64)
+    for position in rng.sample(range(len(payloads)), 12):
+        damaged = bytearray(payloads[position])
+        damaged[rng.randrange(len(damaged))] = rng.getrandbits(8)
+        payloads[position] = bytes(damaged[: len(damaged) - rng.randrange(3)])
+    payloads[5:5] = [b"", b"\xc0", msgspec.msgpack.encode({"not": "a batch"})]
+    assert sum(map(len, payloads)) > 64 * 1024
+    with pytest.MonkeyPatch.context() as patch:
+        originals, reads = read_drain_both_ways(payloads, patch)
+    assert len(reads) == len(payloads)
+    assert all(read is None or read == original for read, original in zip(reads, originals, strict=True))
+    assert sum(read is not None for read in reads) > len(payloads) // 2
+    assert reads[5:8] == [None, None, None]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.floats(allow_nan=False),
+            st.lists(typed_events(), max_size=4) | st.lists(typed_events() | map_events, max_size=5),
+        ),
+        max_size=8,
+    )
+)
+def test_a_drain_of_any_batches_agrees_with_msgspec(batches: list[tuple[Any, list[Any]]]) -> None:
+    payloads = [msgspec.msgpack.encode([ts, events, 0]) for ts, events in batches]
+    with pytest.MonkeyPatch.context() as patch:
+        originals, reads = read_drain_both_ways(payloads, patch)
+    assert all(read is None or read == original for read, original in zip(reads, originals, strict=True))
+
+
+def test_without_the_reader_a_drain_is_left_to_msgspec() -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "read_events_many", None)
+        assert read_default_shapes(recorded_payloads()[:3]) == [None, None, None]

@@ -66,6 +66,13 @@ class CoresAgree(RuleBasedStateMachine):
     def apply(self, pod: PodRef, events: list[KVEvent]) -> None:
         assert self.compiled.apply(pod, events) == self.pure.apply(pod, events)
 
+    @rule(batches=st.lists(st.tuples(st.sampled_from(PODS), events_strategy), max_size=6))
+    def apply_many(self, batches: list[tuple[PodRef, list[KVEvent]]]) -> None:
+        """A worker's drain: the compiled core's one call (table work without the GIL) against the pure
+        core's apply of each batch in turn; the same stats per batch and the same state after."""
+        pure = [self.pure.apply(pod, events) for pod, events in batches]
+        assert self.compiled.apply_many(batches) == pure
+
     @rule(pod=st.sampled_from(PODS))
     def clear_pod(self, pod: PodRef) -> None:
         assert self.compiled.clear_pod(pod) == self.pure.clear_pod(pod)
@@ -129,6 +136,52 @@ def test_large_random_workload_matches_the_pure_core() -> None:
         if step % 500 == 0:
             prompt = rng.choice(prefixes) + [rng.getrandbits(64)]
             assert compiled.lookup_ids(prompt) == pure.lookup_ids(prompt)
+    assert_same(pure, compiled)
+
+
+def test_a_bad_batch_in_a_drain_costs_only_itself() -> None:
+    """apply_many: a batch whose apply raises (a key that is not an unsigned 64-bit int) is that batch's
+    exception, left out; the batches before and after it are applied, as separate applies would be."""
+    require_extension()
+    good = [BlocksStored((1, 2, 3), None, (), 16, TIER_GPU)]
+    bad: list[KVEvent] = [BlocksStored((4, -5), None, (), 16, TIER_GPU)]
+    for core in ("compiled", "pure"):
+        index = make_index(core)
+        index.apply(PodRef("b"), good)  # known to the index: its next batch takes the compiled read
+        outcomes = index.apply_many(
+            [(PodRef("a"), good), (PodRef("b"), bad), (PodRef("c"), [*good, BlocksRemoved((2,), TIER_GPU)])]
+        )
+        assert [type(outcome).__name__ for outcome in outcomes] == ["ApplyStats", "ValueError", "ApplyStats"]
+        assert index.snapshot_copies() == {
+            1: {(PodRef("a"), TIER_GPU): 1, (PodRef("b"), TIER_GPU): 1, (PodRef("c"), TIER_GPU): 1},
+            2: {(PodRef("a"), TIER_GPU): 1, (PodRef("b"), TIER_GPU): 1},
+            3: {(PodRef("a"), TIER_GPU): 1, (PodRef("b"), TIER_GPU): 1, (PodRef("c"), TIER_GPU): 1},
+        }
+        assert index.check_consistency() == []
+
+
+def test_a_large_drain_matches_the_pure_core() -> None:
+    """Drains of 64 pods' 125-key chains (past RELEASE_GIL_KEYS: the table work runs without the GIL),
+    shared prefixes, removals and clears among them, on a shard that evicts."""
+    require_extension()
+    rng = random.Random(64)
+    pure = make_index("pure", 1, 60_000, 3)
+    compiled = make_index("compiled", 1, 60_000, 3)
+    pods = [PodRef(f"pod-{number}") for number in range(100)]
+    prefixes = [[rng.getrandbits(64) for _ in range(125)] for _ in range(5)]
+    for drain in range(12):
+        batches: list[tuple[PodRef, list[KVEvent]]] = []
+        for pod in rng.sample(pods, 64):
+            roll = rng.random()
+            if roll < 0.8:
+                chain = rng.choice(prefixes) if roll < 0.3 else [rng.getrandbits(64) for _ in range(125)]
+                parent = None if roll < 0.3 else rng.choice(prefixes)[-1]
+                batches.append((pod, [BlocksStored(tuple(chain), parent, (), 16, TIER_GPU)]))
+            elif roll < 0.95:
+                batches.append((pod, [BlocksRemoved(tuple(rng.choice(prefixes)[:40]), TIER_GPU)]))
+            else:
+                batches.append((pod, [AllBlocksCleared()]))
+        assert compiled.apply_many(batches) == [pure.apply(pod, events) for pod, events in batches], drain
     assert_same(pure, compiled)
 
 
