@@ -87,6 +87,21 @@ def load_many_event_reader() -> ManyEventReader | None:
 read_events_many: ManyEventReader | None = None if pure_python_forced() else load_many_event_reader()
 
 
+def load_event_span() -> Callable[[bytes, int], tuple[int, int] | None] | None:
+    """kvindex.indexer._payload's event_span if it was built, whatever KVINDEX_PURE_PYTHON says."""
+    try:
+        from kvindex.indexer import _payload
+    except ImportError:
+        return None
+    return _payload.event_span
+
+
+# (payload, pos) -> the byte span of that event, or None; read per call by decode.py.
+event_span: Callable[[bytes, int], tuple[int, int] | None] | None = (
+    None if pure_python_forced() else load_event_span()
+)
+
+
 def describe() -> str:
     """One line for the logs: which core runs."""
     if shard_type is not Shard:

@@ -221,6 +221,18 @@ def _decode_raw_batch(payload: bytes) -> wire.RawArrayBatch | wire.RawMapBatch:
         raise DecodeError(REASON_TOO_DEEP, "nested deeper than the decoder's recursion limit") from None
 
 
+def raw_event(payload: bytes, pos: int) -> msgspec.Raw | None:
+    """Event `pos` of a batch left undecoded (to read it again in full with `decode_event`), or None when
+    the batch has no such event. With the compiled reader only the bytes before it are walked; without
+    it the batch is split into raw events. Raises DecodeError when the batch itself is unreadable."""
+    event_span = compiled.event_span
+    span = None if event_span is None else event_span(payload, pos)
+    if span is not None:
+        return msgspec.Raw(memoryview(payload)[span[0] : span[1]])
+    events = raw_events(payload)
+    return events[pos] if 0 <= pos < len(events) else None
+
+
 def raw_events(payload: bytes) -> list[msgspec.Raw]:
     """A batch's events left undecoded, in order (to read one of them again in full with
     `decode_event`); raises DecodeError when the batch itself is unreadable."""

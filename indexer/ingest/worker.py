@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import msgspec
 import xxhash
 import zmq
 from kvindex.indexer.convert import ConvertError
@@ -23,7 +22,7 @@ from kvindex.indexer.decode import (
     EventError,
     decode_batch,
     decode_event,
-    raw_events,
+    raw_event,
     read_default_shapes,
 )
 from kvindex.indexer.events import (
@@ -129,9 +128,6 @@ class StreamWorker:
         self._snapshot_fetcher = snapshot_fetcher
         self._observer = observer
         self._sampler = HashCheckSampler(settings.hash_check_every)
-        # The last payload a hash check split into raw events, and those events.
-        self._raw_events_of: bytes | None = None
-        self._raw_events: list[msgspec.Raw] = []
 
     def handle_many(self, entries: list[tuple[str, WorkItem]]) -> None:
         """Everything a worker drained, in order. Live payloads are read first, all at once (off the GIL,
@@ -158,7 +154,6 @@ class StreamWorker:
                     log.exception("ingest worker failed on an item of pod %s", pod_id)
         finally:
             self._flush_all(acc)
-            self._raw_events_of, self._raw_events = None, []  # the drain's payloads may go
         self._heap.after_drain(idle=not self._queue_depth())
 
     def _handle_live(
@@ -776,18 +771,12 @@ class StreamWorker:
         config = runtime.config
         if not could_be_checkable(event, config.block_size) or not self._sampler.should_check(stream.ref):
             return
-        # NOTE: the batch is split into raw events once (a batch often holds several sampled chain
-        # heads, e.g. each pod's first few), and only the sampled event is decoded in full: with 1,000
-        # pods, decoding whole batches with their token ids was a quarter of ingest's time.
-        if self._raw_events_of is not payload:
-            try:
-                self._raw_events = raw_events(payload)
-            except DecodeError:
-                return
-            self._raw_events_of = payload
+        # NOTE: only the sampled event is decoded in full: with 1,000 pods, decoding whole batches with
+        # their token ids was a quarter of ingest's time (and splitting them into raw events ~4%).
         try:
-            full = decode_event(self._raw_events[pos]) if pos < len(self._raw_events) else None
-        except (EventError, ConvertError):
+            raw = raw_event(payload, pos)
+            full = None if raw is None else decode_event(raw)
+        except (DecodeError, EventError, ConvertError):
             return
         # A batch the two decoders read differently (an event only one of them dropped): skip the check.
         if not isinstance(full, BlocksStored) or full.block_keys != event.block_keys:

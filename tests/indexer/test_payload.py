@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 from index_cores import require_payload_extension
 from kvindex.indexer import compiled
 from kvindex.indexer.compiled import EventReader
-from kvindex.indexer.decode import DecodeError, decode_batch, read_default_shapes
+from kvindex.indexer.convert import ConvertError
+from kvindex.indexer.decode import (
+    DecodeError,
+    EventError,
+    decode_batch,
+    decode_event,
+    raw_event,
+    read_default_shapes,
+)
 from kvindex.indexer.events import TIER_GPU, AllBlocksCleared, BlocksRemoved, BlocksStored
 from replay_support import load_vectors
 
@@ -474,3 +482,62 @@ def test_without_the_reader_a_drain_is_left_to_msgspec() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compiled, "read_events_many", None)
         assert read_default_shapes(recorded_payloads()[:3]) == [None, None, None]
+
+
+# --- event_span: the hash check's one event ----------------------------------------------------------
+
+
+def raw_event_both_ways(payload: bytes, pos: int, patch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """raw_event's bytes (or None, or the DecodeError) without the extension, then with it."""
+    require_built(compiled.load_event_span(), "kvindex.indexer._payload", "a C compiler")
+
+    def answer() -> Any:
+        try:
+            raw = raw_event(payload, pos)
+        except DecodeError as exc:
+            return ("DecodeError", exc.reason)
+        return None if raw is None else bytes(raw)
+
+    patch.setattr(compiled, "event_span", None)
+    without = answer()
+    patch.setattr(compiled, "event_span", compiled.load_event_span())
+    return without, answer()
+
+
+def test_an_event_s_span_is_the_event_msgspec_splits_out() -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        for payload in recorded_payloads():
+            count = len(msgspec.msgpack.decode(payload)[1])
+            for pos in (0, count // 2, count - 1, count, -1):
+                without, with_span = raw_event_both_ways(payload, pos, patch)
+                assert with_span == without, pos
+                assert (without is None) == (not 0 <= pos < count)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cut=st.integers(0, 10_000),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    pos=st.integers(0, 9),
+)
+def test_an_event_s_span_in_a_damaged_batch_is_never_another_event(
+    cut: int, flips: list[tuple[int, int]], pos: int
+) -> None:
+    """Where the batch is still readable around the event, the span is msgspec's event; anything else is
+    None or msgspec's DecodeError (the check is then skipped), never other bytes."""
+    payloads = recorded_payloads()
+    damaged = bytearray(payloads[cut % len(payloads)])
+    for position, value in flips:
+        damaged[position % len(damaged)] = value
+    payload = bytes(damaged[: len(damaged) - cut % 7])
+    with pytest.MonkeyPatch.context() as patch:
+        without, with_span = raw_event_both_ways(payload, pos, patch)
+    if isinstance(with_span, bytes) and isinstance(without, bytes):
+        assert with_span == without
+    elif isinstance(with_span, bytes):
+        # msgspec refuses the batch as a whole (damage elsewhere, or a string that is not UTF-8): the
+        # event decodes, or fails as the worker expects of any event (it then skips the check).
+        try:
+            decode_event(with_span)
+        except (EventError, ConvertError):
+            pass
