@@ -202,32 +202,6 @@ entry_object(uint32_t entry)
     return PyLong_FromUnsignedLong(entry);
 }
 
-/* 1 if the key is held by any of `entry_ids` (a frozenset of ints), 0 if not, -1 on error. */
-static int
-held_by_any(ShardObject *self, uint64_t key, PyObject *entry_ids)
-{
-    uint32_t n = find_node(self, key);
-    if (n == NIL) {
-        return 0;
-    }
-    uintptr_t holder = self->nodes[n].holder;
-    uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
-    for (uint32_t i = 0; i < len; i++) {
-        uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
-        PyObject *id = entry_object(entry);
-        int found;
-        if (id == NULL) {
-            return -1;
-        }
-        found = PySet_Contains(entry_ids, id);
-        Py_DECREF(id);
-        if (found != 0) {
-            return found;
-        }
-    }
-    return 0;
-}
-
 static int
 as_entry(ShardObject *self, PyObject *obj, uint32_t *entry)
 {
@@ -300,6 +274,55 @@ add_counts(PyObject *counts_list, const Py_ssize_t *counts)
     return 0;
 }
 
+/* 1 if the key is held by any of the `num_entries` entry ids at `entries`, 0 if not. */
+static int
+held_by_entries(ShardObject *self, uint64_t key, const uint32_t *entries, Py_ssize_t num_entries)
+{
+    uint32_t n = find_node(self, key);
+    if (n == NIL) {
+        return 0;
+    }
+    uintptr_t holder = self->nodes[n].holder;
+    uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
+    for (uint32_t i = 0; i < len; i++) {
+        uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
+        for (Py_ssize_t e = 0; e < num_entries; e++) {
+            if (entries[e] == entry) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* An iterable of entry ids (a pod's: a frozenset of ints) into a new C array (PyMem_Free it); -1 with an
+ * exception. */
+static int
+read_entries(ShardObject *self, PyObject *entry_ids, uint32_t **entries, Py_ssize_t *num_entries)
+{
+    PyObject *fast = PySequence_Fast(entry_ids, "a pod's entry ids must be iterable");
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(fast);
+    *entries = PyMem_Malloc(size ? (size_t)size * sizeof(uint32_t) : 1);
+    *num_entries = 0;
+    if (*entries == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (as_entry(self, PySequence_Fast_GET_ITEM(fast, i), &(*entries)[i]) < 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        (*num_entries)++;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
 static PyObject *
 Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -311,6 +334,8 @@ Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *pod_entry_ids = args[1];
+    uint32_t *entries = NULL; /* pod_entry_ids in C, read at the first parent check */
+    Py_ssize_t num_entries = 0;
     fast = PySequence_Fast(args[0], "steps must be a sequence");
     if (fast == NULL) {
         return NULL;
@@ -332,14 +357,13 @@ Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         else if (kind == STEP_CHECK_PARENT && size == 2) {
             uint64_t key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(step, 1));
-            int held;
             if (key == (uint64_t)-1 && PyErr_Occurred()) {
                 status = -1;
             }
-            else if ((held = held_by_any(self, key, pod_entry_ids)) < 0) {
+            else if (entries == NULL && read_entries(self, pod_entry_ids, &entries, &num_entries) < 0) {
                 status = -1;
             }
-            else if (!held) {
+            else if (!held_by_entries(self, key, entries, num_entries)) {
                 counts[C_UNKNOWN_PARENT]++;
             }
         }
@@ -358,6 +382,7 @@ Shard_apply_steps(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(fast);
+    PyMem_Free(entries);
     if (settle(self) < 0) {
         status = -1;
     }
@@ -600,45 +625,9 @@ read_batch(ShardObject *self, PyObject *events, PyObject *tier_entry_ids, PyObje
     return READ_OK;
 }
 
-static int
-apply_ops(ShardObject *self, const Batch *batch, PyObject *pod_entry_ids, Py_ssize_t *counts)
-{
-    for (size_t i = 0; i < batch->num_ops; i++) {
-        const Op *op = &batch->ops[i];
-        if (op->kind == OP_STORE) {
-            Log *log = &self->logs[op->entry];
-            uint32_t start = log->len;
-            if (log_extend(self, log, batch->keys + op->first, (Py_ssize_t)op->count) < 0) {
-                log->len = start;
-                return -1;
-            }
-            if (store_logged(self, op->entry, start, counts, 1) < 0) {
-                return -1;
-            }
-        }
-        else if (op->kind == OP_REMOVE) {
-            remove_keys(self, op->entry, batch->keys + op->first, (Py_ssize_t)op->count, counts);
-        }
-        else if (op->kind == OP_CHECK_PARENT) {
-            int held = held_by_any(self, op->parent, pod_entry_ids);
-            if (held < 0) {
-                return -1;
-            }
-            if (!held) {
-                counts[C_UNKNOWN_PARENT]++;
-            }
-        }
-        else {
-            Py_ssize_t cleared = clear_entries(self, pod_entry_ids);
-            if (cleared < 0) {
-                return -1;
-            }
-            counts[C_CLEARED] += cleared;
-        }
-    }
-    return 0;
-}
+static PyObject *Shard_apply_many(ShardObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* apply_many of this one batch. */
 static PyObject *
 Shard_apply_events(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -648,27 +637,22 @@ Shard_apply_events(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
                         "stored_type, removed_type, cleared_type)");
         return NULL;
     }
-    Batch batch = {0};
-    Py_ssize_t counts[NUM_COUNTS] = {0};
-    /* A tuple or a list (not copied): the caller does not change it meanwhile (the GIL is never dropped
-     * while it is read). */
-    int status = read_batch(self, args[0], args[1], args + 4, &batch);
-    if (status == READ_OK) {
-        status = apply_ops(self, &batch, args[2], counts);
-        if (settle(self) < 0) {
-            status = -1;
-        }
-        /* Counted even when an operation failed part-way (memory exhaustion only): the index changed. */
-        if (add_counts(args[3], counts) < 0) {
-            status = -1;
-        }
-    }
-    free(batch.keys);
-    free(batch.ops);
-    if (status < 0) {
+    PyObject *batch = PyTuple_Pack(4, args[0], args[1], args[2], args[3]);
+    PyObject *batches = batch == NULL ? NULL : PyList_New(1);
+    if (batches == NULL) {
+        Py_XDECREF(batch);
         return NULL;
     }
-    return PyBool_FromLong(status == READ_OK);
+    PyList_SET_ITEM(batches, 0, batch);
+    PyObject *many_args[4] = {batches, args[4], args[5], args[6]};
+    PyObject *applied = Shard_apply_many(self, many_args, 4);
+    Py_DECREF(batches);
+    if (applied == NULL) {
+        return NULL;
+    }
+    int whole = PyLong_AsSsize_t(applied) == 1;
+    Py_DECREF(applied);
+    return PyBool_FromLong(whole);
 }
 
 /* ---- apply_many: several pods' batches, the table work of all of them without the GIL ---------------
@@ -687,28 +671,8 @@ typedef struct {
     Py_ssize_t counts[NUM_COUNTS];
 } PodBatch;
 
-/* held_by_any over a C array of entry ids. */
-static int
-held_by_entries(ShardObject *self, uint64_t key, const uint32_t *entries, Py_ssize_t num_entries)
-{
-    uint32_t n = find_node(self, key);
-    if (n == NIL) {
-        return 0;
-    }
-    uintptr_t holder = self->nodes[n].holder;
-    uint32_t len = IS_SINGLE(holder) ? 1 : MULTI(holder)->len;
-    for (uint32_t i = 0; i < len; i++) {
-        uint32_t entry = IS_SINGLE(holder) ? SINGLE_ENTRY(holder) : MULTI(holder)->items[i].entry;
-        for (Py_ssize_t e = 0; e < num_entries; e++) {
-            if (entries[e] == entry) {
-                return 1;
-            }
-        }
-    }
-    return 0;
-}
-
-/* apply_ops with the pod's entry ids in C: touches no Python object, so it may run without the GIL. */
+/* One batch's operations with the pod's entry ids in C: touches no Python object, so it may run without the
+ * GIL. */
 static int
 apply_pod_batch(ShardObject *self, PodBatch *pod)
 {
@@ -741,40 +705,6 @@ apply_pod_batch(ShardObject *self, PodBatch *pod)
         }
     }
     return 0;
-}
-
-/* The pod's entry ids (a frozenset of ints) into pod->entries; -1 with an exception. */
-static int
-read_entries(ShardObject *self, PyObject *entry_ids, PodBatch *pod)
-{
-    Py_ssize_t size = PySet_Size(entry_ids);
-    if (size < 0) {
-        return -1;
-    }
-    pod->entries = PyMem_Malloc(size ? (size_t)size * sizeof(uint32_t) : 1);
-    if (pod->entries == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    PyObject *iter = PyObject_GetIter(entry_ids);
-    PyObject *item;
-    if (iter == NULL) {
-        return -1;
-    }
-    while ((item = PyIter_Next(iter)) != NULL) {
-        int status = pod->num_entries < size ? as_entry(self, item, &pod->entries[pod->num_entries]) : -1;
-        Py_DECREF(item);
-        if (status < 0) {
-            Py_DECREF(iter);
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_RuntimeError, "a pod's entry ids changed while read");
-            }
-            return -1;
-        }
-        pod->num_entries++;
-    }
-    Py_DECREF(iter);
-    return PyErr_Occurred() ? -1 : 0;
 }
 
 static PyObject *
@@ -811,7 +741,9 @@ Shard_apply_many(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         int read = read_batch(self, events, tier_entry_ids, args + 1, &pods[num_read].batch);
         if (read == READ_OK) {
-            read = read_entries(self, entry_ids, &pods[num_read]) < 0 ? READ_ERROR : READ_OK;
+            read = read_entries(self, entry_ids, &pods[num_read].entries, &pods[num_read].num_entries) < 0
+                       ? READ_ERROR
+                       : READ_OK;
         }
         if (read != READ_OK) {
             free(pods[num_read].batch.keys);
