@@ -80,6 +80,15 @@ def recorded_payloads() -> list[bytes]:
     return payloads
 
 
+def damaged_payload(cut: int, flips: list[tuple[int, int]]) -> bytes:
+    """A recorded payload (picked by `cut`) with bytes overwritten at `flips` and up to 6 bytes cut off."""
+    payloads = recorded_payloads()
+    damaged = bytearray(payloads[cut % len(payloads)])
+    for position, value in flips:
+        damaged[position % len(damaged)] = value
+    return bytes(damaged[: len(damaged) - cut % 7])
+
+
 def decode_or_reason(payload: bytes) -> Any:
     try:
         return decode_batch(payload, with_token_ids=False)
@@ -187,11 +196,7 @@ def test_any_batch_loses_exactly_its_map_events_token_ids(batch: list[Any]) -> N
 )
 def test_damaged_batches_are_never_misread(cut: int, flips: list[tuple[int, int]]) -> None:
     without = require_extension()
-    payloads = recorded_payloads()
-    damaged = bytearray(payloads[cut % len(payloads)])
-    for position, value in flips:
-        damaged[position % len(damaged)] = value
-    payload = bytes(damaged[: len(damaged) - cut % 7])
+    payload = damaged_payload(cut, flips)
     slim = without(payload, 0)
     # (the reader checks structure, not UTF-8: a copy may exist of a batch msgspec refuses, and then the
     # hot decoder refuses the copy too, as the same bytes are in it; decode's answer is what matters)
@@ -407,11 +412,7 @@ def test_read_events_and_msgspec_agree_on_any_batch(
     flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
 )
 def test_read_events_on_damaged_batches_agrees_with_msgspec(cut: int, flips: list[tuple[int, int]]) -> None:
-    payloads = recorded_payloads()
-    damaged = bytearray(payloads[cut % len(payloads)])
-    for position, value in flips:
-        damaged[position % len(damaged)] = value
-    payload = bytes(damaged[: len(damaged) - cut % 7])
+    payload = damaged_payload(cut, flips)
     with pytest.MonkeyPatch.context() as patch:
         original, through_reader, _ = read_both_ways(payload, patch)
     assert through_reader == original
@@ -525,11 +526,7 @@ def test_an_event_s_span_in_a_damaged_batch_is_never_another_event(
 ) -> None:
     """Where the batch is still readable around the event, the span is msgspec's event; anything else is
     None or msgspec's DecodeError (the check is then skipped), never other bytes."""
-    payloads = recorded_payloads()
-    damaged = bytearray(payloads[cut % len(payloads)])
-    for position, value in flips:
-        damaged[position % len(damaged)] = value
-    payload = bytes(damaged[: len(damaged) - cut % 7])
+    payload = damaged_payload(cut, flips)
     with pytest.MonkeyPatch.context() as patch:
         without, with_span = raw_event_both_ways(payload, pos, patch)
     if isinstance(with_span, bytes) and isinstance(without, bytes):
