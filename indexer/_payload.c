@@ -858,93 +858,54 @@ build_batch(const Parsed *parsed, PyObject *const *types)
     return result;
 }
 
-static PyObject *
-read_events(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "read_events(payload: bytes, stored_type, removed_type, cleared, gpu_tier: str)");
-        return NULL;
-    }
-    PyObject *payload = args[0];
-    Py_ssize_t size = PyBytes_GET_SIZE(payload);
-    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(payload);
-    Reader reader = {data, data + size};
-    Parsed parsed = {0};
-    int status;
-    if (size >= READ_RELEASE_GIL_BYTES) {
-        /* `payload` is immutable and kept alive by the caller; `parsed` is ours. */
-        Py_BEGIN_ALLOW_THREADS
-        status = read_batch(&reader, &parsed);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        status = read_batch(&reader, &parsed);
-    }
-    PyObject *result = NULL;
-    if (status == 0) {
-        result = build_batch(&parsed, args + 1);
-        if (result == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-            PyErr_Clear(); /* a str that is not UTF-8: msgspec's path says so */
-            status = -1;
-        }
-    }
-    free(parsed.keys);
-    free(parsed.events);
-    if (status < 0) {
-        Py_RETURN_NONE;
-    }
-    return result;
-}
-
-/* The batches a worker drained, read at once: every batch's bytes walked in one stretch without the GIL
- * (once there is enough to walk: ~6 KB a batch, 64 batches a drain), so the subscriber's Python work goes
- * on on the other core meanwhile; then each one's events built, exactly as read_events builds them. */
+/* A worker's drain is read at once: every batch's bytes walked in one stretch without the GIL (once there
+ * is enough to walk: ~6 KB a batch, 64 batches a drain), so the subscriber's Python work goes on on the
+ * other core meanwhile; then each one's events built. */
 #define READ_MANY_RELEASE_GIL_BYTES (64 * 1024)
 
+typedef struct {
+    const uint8_t *data;
+    Py_ssize_t size;
+    Parsed parsed;
+    int status;
+} PayloadRead;
+
+/* Each payload of the list read: the list of (ts, events, rank), None where one is not of the default shape
+ * (or not UTF-8 where a str must be); NULL with an exception. The bytes are walked without the GIL once
+ * they add up to `release_bytes`. */
 static PyObject *
-read_events_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+read_payloads(PyObject *payloads, PyObject *const *types, size_t release_bytes)
 {
-    if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyUnicode_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "read_events_many(payloads: list[bytes], stored_type, removed_type, cleared, gpu_tier: str)");
-        return NULL;
-    }
-    PyObject *payloads = args[0];
     Py_ssize_t n = PyList_GET_SIZE(payloads);
-    Parsed *parsed = calloc(n ? (size_t)n : 1, sizeof(Parsed));
-    int *status = calloc(n ? (size_t)n : 1, sizeof(int));
-    const uint8_t **data = calloc(n ? (size_t)n : 1, sizeof(uint8_t *));
-    Py_ssize_t *sizes = calloc(n ? (size_t)n : 1, sizeof(Py_ssize_t));
+    PayloadRead *reads = calloc(n ? (size_t)n : 1, sizeof(PayloadRead));
     PyObject *result = NULL;
-    if (parsed == NULL || status == NULL || data == NULL || sizes == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (reads == NULL) {
+        return PyErr_NoMemory();
     }
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *payload = PyList_GET_ITEM(payloads, i);
         if (!PyBytes_Check(payload)) {
-            PyErr_SetString(PyExc_TypeError, "read_events_many: every payload must be bytes");
+            PyErr_SetString(PyExc_TypeError, "every payload must be bytes");
             goto done;
         }
-        data[i] = (const uint8_t *)PyBytes_AS_STRING(payload);
-        sizes[i] = PyBytes_GET_SIZE(payload);
-        total += (size_t)sizes[i];
+        reads[i].data = (const uint8_t *)PyBytes_AS_STRING(payload);
+        reads[i].size = PyBytes_GET_SIZE(payload);
+        total += (size_t)reads[i].size;
     }
     /* The payloads are immutable and held by the list, which the caller keeps alive and unchanged. */
-    if (total >= READ_MANY_RELEASE_GIL_BYTES) {
+    if (total >= release_bytes) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
-            Reader reader = {data[i], data[i] + sizes[i]};
-            status[i] = read_batch(&reader, &parsed[i]);
+            Reader reader = {reads[i].data, reads[i].data + reads[i].size};
+            reads[i].status = read_batch(&reader, &reads[i].parsed);
         }
         Py_END_ALLOW_THREADS
     }
     else {
         for (Py_ssize_t i = 0; i < n; i++) {
-            Reader reader = {data[i], data[i] + sizes[i]};
-            status[i] = read_batch(&reader, &parsed[i]);
+            Reader reader = {reads[i].data, reads[i].data + reads[i].size};
+            reads[i].status = read_batch(&reader, &reads[i].parsed);
         }
     }
     result = PyList_New(n);
@@ -953,8 +914,8 @@ read_events_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *read = NULL;
-        if (status[i] == 0) {
-            read = build_batch(&parsed[i], args + 1);
+        if (reads[i].status == 0) {
+            read = build_batch(&reads[i].parsed, types);
             if (read == NULL) {
                 if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
                     Py_CLEAR(result);
@@ -966,15 +927,46 @@ read_events_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
         PyList_SET_ITEM(result, i, read != NULL ? read : Py_NewRef(Py_None));
     }
 done:
-    for (Py_ssize_t i = 0; parsed != NULL && i < n; i++) {
-        free(parsed[i].keys);
-        free(parsed[i].events);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        free(reads[i].parsed.keys);
+        free(reads[i].parsed.events);
     }
-    free(parsed);
-    free(status);
-    free(data);
-    free(sizes);
+    free(reads);
     return result;
+}
+
+static PyObject *
+read_events(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_events(payload: bytes, stored_type, removed_type, cleared, gpu_tier: str)");
+        return NULL;
+    }
+    PyObject *payloads = PyList_New(1);
+    if (payloads == NULL) {
+        return NULL;
+    }
+    PyList_SET_ITEM(payloads, 0, Py_NewRef(args[0]));
+    PyObject *reads = read_payloads(payloads, args + 1, READ_RELEASE_GIL_BYTES);
+    Py_DECREF(payloads);
+    if (reads == NULL) {
+        return NULL;
+    }
+    PyObject *read = Py_NewRef(PyList_GET_ITEM(reads, 0));
+    Py_DECREF(reads);
+    return read;
+}
+
+static PyObject *
+read_events_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_events_many(payloads: list[bytes], stored_type, removed_type, cleared, gpu_tier: str)");
+        return NULL;
+    }
+    return read_payloads(args[0], args + 1, READ_MANY_RELEASE_GIL_BYTES);
 }
 
 /* Where event `pos` of an array-shaped batch lies in its bytes, for the hash check, which decodes that one
