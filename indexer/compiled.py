@@ -36,13 +36,20 @@ def load_extension() -> ShardFactory | None:
 shard_type: ShardFactory = Shard if pure_python_forced() else (load_extension() or Shard)
 
 
-def load_payload_extension() -> Callable[[bytes], bytes | None] | None:
-    """kvindex.indexer._payload's without_token_ids if it was built, whatever KVINDEX_PURE_PYTHON says."""
+def _payload_function(name: str) -> Any:
+    """kvindex.indexer._payload's function `name` if the extension was built, whatever KVINDEX_PURE_PYTHON
+    says; else None."""
     try:
         from kvindex.indexer import _payload
     except ImportError:
         return None
-    return _payload.without_token_ids
+    return getattr(_payload, name)
+
+
+def load_payload_extension() -> Callable[[bytes], bytes | None] | None:
+    """kvindex.indexer._payload's without_token_ids (None: not built)."""
+    loaded: Callable[[bytes], bytes | None] | None = _payload_function("without_token_ids")
+    return loaded
 
 
 # A batch without its token ids, or None (decode the original); read per call by decode.py.
@@ -56,12 +63,9 @@ EventReader = Callable[[bytes, Any, Any, Any, str], "tuple[float, tuple[Any, ...
 
 
 def load_event_reader() -> EventReader | None:
-    """kvindex.indexer._payload's read_events if it was built, whatever KVINDEX_PURE_PYTHON says."""
-    try:
-        from kvindex.indexer import _payload
-    except ImportError:
-        return None
-    return _payload.read_events
+    """kvindex.indexer._payload's read_events (None: not built)."""
+    loaded: EventReader | None = _payload_function("read_events")
+    return loaded
 
 
 # Read per call by decode.py.
@@ -75,31 +79,26 @@ ManyEventReader = Callable[
 
 
 def load_many_event_reader() -> ManyEventReader | None:
-    """kvindex.indexer._payload's read_events_many if it was built, whatever KVINDEX_PURE_PYTHON says."""
-    try:
-        from kvindex.indexer import _payload
-    except ImportError:
-        return None
-    return _payload.read_events_many
+    """kvindex.indexer._payload's read_events_many (None: not built)."""
+    loaded: ManyEventReader | None = _payload_function("read_events_many")
+    return loaded
 
 
 # Read per call by decode.py.
 read_events_many: ManyEventReader | None = None if pure_python_forced() else load_many_event_reader()
 
-
-def load_event_span() -> Callable[[bytes, int], tuple[int, int] | None] | None:
-    """kvindex.indexer._payload's event_span if it was built, whatever KVINDEX_PURE_PYTHON says."""
-    try:
-        from kvindex.indexer import _payload
-    except ImportError:
-        return None
-    return _payload.event_span
+# (payload, pos) -> the byte span of that event, or None.
+EventSpan = Callable[[bytes, int], "tuple[int, int] | None"]
 
 
-# (payload, pos) -> the byte span of that event, or None; read per call by decode.py.
-event_span: Callable[[bytes, int], tuple[int, int] | None] | None = (
-    None if pure_python_forced() else load_event_span()
-)
+def load_event_span() -> EventSpan | None:
+    """kvindex.indexer._payload's event_span (None: not built)."""
+    loaded: EventSpan | None = _payload_function("event_span")
+    return loaded
+
+
+# Read per call by decode.py.
+event_span: EventSpan | None = None if pure_python_forced() else load_event_span()
 
 
 def describe() -> str:

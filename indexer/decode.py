@@ -154,19 +154,18 @@ def read_default_shapes(payloads: list[bytes]) -> list[DecodedBatch | None]:
     if read_events_many is None:
         return [None] * len(payloads)
     reads = read_events_many(payloads, BlocksStored, BlocksRemoved, _ALL_BLOCKS_CLEARED, TIER_GPU)
-    return [
-        None
-        if read is None
-        else DecodedBatch(batch=EventBatch(ts=read[0], events=read[1], dp_rank=read[2]), dropped=_NO_DROPS)
-        for read in reads
-    ]
+    return [_read_batch(read) for read in reads]
 
 
 def _read_default_shape(payload: bytes) -> DecodedBatch | None:
     read_events = compiled.read_events
     if read_events is None:
         return None
-    read = read_events(payload, BlocksStored, BlocksRemoved, _ALL_BLOCKS_CLEARED, TIER_GPU)
+    return _read_batch(read_events(payload, BlocksStored, BlocksRemoved, _ALL_BLOCKS_CLEARED, TIER_GPU))
+
+
+def _read_batch(read: tuple[float, tuple[KVEvent, ...], int | None] | None) -> DecodedBatch | None:
+    """The compiled reader's (ts, events, rank) as a DecodedBatch (None: it declined the payload)."""
     if read is None:
         return None
     ts, events, dp_rank = read

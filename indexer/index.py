@@ -68,6 +68,21 @@ def _checked_keys(keys: Sequence[int]) -> array[int]:
         raise ValueError(f"block keys must be unsigned 64-bit ints, got {min(keys)}..{max(keys)}") from exc
 
 
+def apply_each(
+    apply: Callable[[PodRef, Sequence[KVEvent]], ApplyStats],
+    batches: Sequence[tuple[PodRef, Sequence[KVEvent]]],
+) -> list[ApplyStats | Exception]:
+    """`apply` of each (pod, events) in order: its stats, or the exception it raised (the caller's to
+    report, with the pod it belongs to); the batches after a failing one are still applied."""
+    results: list[ApplyStats | Exception] = []
+    for pod, events in batches:
+        try:
+            results.append(apply(pod, events))
+        except Exception as exc:  # handed back per batch, never swallowed
+            results.append(exc)
+    return results
+
+
 class KVIndex:
     """Block key -> the pod entries holding it (with their copy counts), bounded at both levels.
 
@@ -198,11 +213,9 @@ class KVIndex:
         exhaustion), each batch of that call gets the exception: some may be partly applied, as a failed
         `apply` may be.
         """
-        results: list[ApplyStats | Exception] = []
         if self.num_shards != 1 or type(self._shards[0]) is Shard:  # the reference declines every batch
-            for pod, events in batches:
-                results.append(self._apply_or_exception(pod, events))
-            return results
+            return apply_each(self.apply, batches)
+        results: list[ApplyStats | Exception] = []
         shard, lock = self._shards[0], self._locks[0]
         tier_entry_ids_of, pod_entry_ids_of = self._pod_tier_entry_ids, self._pod_entry_ids
         done = 0
@@ -224,16 +237,9 @@ class KVIndex:
                 results.extend(ApplyStats(*counts) for _, _, _, counts in readable[:applied])
                 done += applied
             if done < len(batches):
-                pod, events = batches[done]
-                results.append(self._apply_or_exception(pod, events))
+                results.extend(apply_each(self.apply, batches[done : done + 1]))
                 done += 1
         return results
-
-    def _apply_or_exception(self, pod: PodRef, events: Sequence[KVEvent]) -> ApplyStats | Exception:
-        try:
-            return self.apply(pod, events)
-        except Exception as exc:  # the caller's to report, with the pod it belongs to
-            return exc
 
     def _validate(self, pod: PodRef, events: Iterable[KVEvent]) -> list[Step]:
         """The batch as one shard's steps, in event order; raises before anything changes.

@@ -135,8 +135,7 @@ class StreamWorker:
         `apply_many` at the end (a stream is flushed early before anything that must see its events: a
         clear, a replay, an AllBlocksCleared); counters are added once per call."""
         acc = _Accumulator()
-        live_payloads = [item.payload for _, item in entries if type(item) is LiveItem]
-        reads = iter(read_default_shapes(live_payloads) if len(live_payloads) > 1 else [None])
+        reads = iter(read_default_shapes([item.payload for _, item in entries if type(item) is LiveItem]))
         try:
             for pod_id, item in entries:
                 try:
@@ -686,27 +685,32 @@ class StreamWorker:
             self._observer.on_batch(stream.ref, seq, payload, kept[first_kept:])
 
     def _flush(self, stream: Stream, acc: _Accumulator) -> None:
-        events = acc.pending.pop(stream, None)
-        seq = acc.pending_seq.pop(stream, None)
-        if not stream.owned:
-            return
-        if events:
-            try:
-                stats = self._models[stream.model].index.apply(stream.ref, events)
-            except (StoreUnavailable, LeaseLost) as exc:
-                self._lose(stream, exc, acc)
-                return
-            acc.unknown_parents += stats.unknown_parents
-            stream.events_total += len(events)
-        if seq is not None:
-            stream.indexed_seq = seq
+        """One stream's gathered events into the index now (before anything that must see them)."""
+        self._flush_streams([stream], acc)
 
     def _flush_all(self, acc: _Accumulator) -> None:
-        """Every stream's gathered events, as `_flush` would apply them one by one, in one `apply_many` per
-        model: on the in-memory index the table work of the whole drain runs without the GIL (with 1,000
-        pods a drain is ~64 pods' batches, each applied alone too short to be worth dropping it)."""
+        """Every stream's gathered events at the end of a drain; then the drain's counters."""
+        self._flush_streams(list(acc.pending.keys() | acc.pending_seq.keys()), acc)
+        counters = self._counters
+        with counters.lock:
+            values = counters.values
+            applied = values.events_applied
+            for name, n in (
+                ("BlockStored", acc.stored),
+                ("BlockRemoved", acc.removed),
+                ("AllBlocksCleared", acc.cleared),
+            ):
+                if n:
+                    applied[name] = applied.get(name, 0) + n
+            values.unknown_parents += acc.unknown_parents
+            values.non_prefix_group_events += acc.non_prefix
+
+    def _flush_streams(self, streams: list[Stream], acc: _Accumulator) -> None:
+        """These streams' gathered events, one `apply_many` per model: on the in-memory index the table
+        work of a whole drain runs without the GIL (with 1,000 pods a drain is ~64 pods' batches, each
+        applied alone too short to be worth dropping it). A batch that fails costs only its stream."""
         by_model: dict[str, list[tuple[Stream, list[KVEvent], int | None]]] = {}
-        for stream in list(acc.pending.keys() | acc.pending_seq.keys()):
+        for stream in streams:
             events = acc.pending.pop(stream, None)
             seq = acc.pending_seq.pop(stream, None)
             if not stream.owned:
@@ -734,19 +738,6 @@ class StreamWorker:
                 stream.events_total += len(events)
                 if seq is not None:
                     stream.indexed_seq = seq
-        counters = self._counters
-        with counters.lock:
-            values = counters.values
-            applied = values.events_applied
-            for name, n in (
-                ("BlockStored", acc.stored),
-                ("BlockRemoved", acc.removed),
-                ("AllBlocksCleared", acc.cleared),
-            ):
-                if n:
-                    applied[name] = applied.get(name, 0) + n
-            values.unknown_parents += acc.unknown_parents
-            values.non_prefix_group_events += acc.non_prefix
 
     def _flag_block_size(self, stream: Stream, seq: int, event: BlocksStored, config: ModelConfig) -> None:
         self._counters.add("block_size_mismatches")

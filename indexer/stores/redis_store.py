@@ -28,7 +28,7 @@ from typing import Any, Final, cast
 import msgspec
 import redis
 from kvindex.indexer.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, PodRef
-from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys
+from kvindex.indexer.index import MAX_COPIES, ApplyStats, Entry, HolderIds, Holders, _checked_keys, apply_each
 from kvindex.indexer.store import LeaseClaim, LeaseLost, LeaseView, StoreReset, StoreUnavailable
 from kvindex.indexer.stores import redis_scripts
 from redis.cluster import RedisCluster
@@ -245,14 +245,9 @@ class RedisStore:
         self._fenced_mode = True
 
     def apply_many(self, batches: Sequence[tuple[PodRef, Sequence[KVEvent]]]) -> list[ApplyStats | Exception]:
-        """`apply` of each batch in order (one script call each): its stats, or the exception it raised."""
-        results: list[ApplyStats | Exception] = []
-        for pod, events in batches:
-            try:
-                results.append(self.apply(pod, events))
-            except Exception as exc:  # StoreUnavailable, LeaseLost, a bad event: the caller's to report
-                results.append(exc)
-        return results
+        """`apply` of each batch in order (one script call each): its stats, or the exception it raised
+        (StoreUnavailable, LeaseLost, a bad event)."""
+        return apply_each(self.apply, batches)
 
     def apply(self, pod: PodRef, events: Iterable[KVEvent]) -> ApplyStats:
         """Apply one pod's events in order, as one atomic script call (see KVIndex.apply for the rules).
