@@ -717,7 +717,8 @@ fill_row(Fields *fields, Row *row, PyObject *health, int live, double live_age, 
 
 /* -- a stream's health, read in place ---------------------------------------------------------------
  * IngestService.pod_healths' common case, on the Stream and SequenceTracker objects themselves (slots,
- * read by offset): an owned, connected, joined stream with nothing flagged, heard from within
+ * read by offset): an owned, connected, joined stream (the Stream's `joined`: its join is in the index)
+ * with nothing flagged, heard from within
  * silent_after_s, is live. Anything else, and any field not of the expected type, is the service's to
  * judge (`slow`). */
 
@@ -770,12 +771,15 @@ read_live(Fields *fields, const Reader *reader, PyObject *stream, double *age)
     if (reader->unowned_matter && field_flag(&fields->owned, stream) != 1) {
         return 0;
     }
+    if (field_flag(&fields->joined, stream) != 1) {
+        return 0;
+    }
     PyObject *tracker = field_get(&fields->tracker, stream);
     if (tracker == NULL) {
         PyErr_Clear();
         return 0;
     }
-    int ok = field_flag(&fields->joined, tracker) == 1 && field_flag(&fields->resyncing, tracker) == 0;
+    int ok = field_flag(&fields->resyncing, tracker) == 0;
     Py_DECREF(tracker);
     if (!ok) {
         return 0;

@@ -359,7 +359,7 @@ class IngestService:
                 last_live_at is not None
                 and now - last_live_at <= silent_after_s
                 and (stream.connected if stream.connect_mode else listen_up)
-                and tracker.joined
+                and stream.joined
                 and not tracker.resyncing
                 and not stream.hash_mismatch
                 and (stream.owned or not unowned_matter)
@@ -433,7 +433,7 @@ class IngestService:
         connected = stream.connected if stream.connect_mode else self._intake.listen_peers > 0
         if not connected:
             return STATE_DISCONNECTED
-        if not stream.tracker.joined:
+        if not stream.joined:
             return STATE_REPLAYING
         if stream.hash_mismatch:
             return STATE_HASH_MISMATCH

@@ -98,6 +98,7 @@ class Stream:
         "sidecar_hash_mismatches",
         "logged",
         "own_pending",
+        "joined",
     )
 
     def __init__(
@@ -163,6 +164,9 @@ class Stream:
         # lease manager, cleared by the worker). Always owned without leases.
         self.owned = True
         self.own_pending = False
+        # Its first sync is in the index (written by its worker after the join's batches are applied:
+        # the tracker's own `joined` turns True before them, and ready must not be read in between).
+        self.joined = False
 
     def last_activity_at(self) -> float | None:
         """The newest of its last live message and its last connection (None: neither yet)."""

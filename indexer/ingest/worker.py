@@ -257,6 +257,7 @@ class StreamWorker:
     def _reset_stream(self, stream: Stream) -> None:
         """Let the stream's past go: a fresh tracker (its next message is a join), no outstanding replay."""
         stream.tracker = stream.new_tracker()
+        stream.joined = False
         stream.counted = (0, 0, 0)
         stream.indexed_seq = None
         stream.replay_token += 1  # an answer still out is for the stream's past
@@ -738,6 +739,8 @@ class StreamWorker:
                 stream.events_total += len(events)
                 if seq is not None:
                     stream.indexed_seq = seq
+        for stream in streams:
+            stream.joined = stream.tracker.joined
 
     def _flag_block_size(self, stream: Stream, seq: int, event: BlocksStored, config: ModelConfig) -> None:
         self._counters.add("block_size_mismatches")
