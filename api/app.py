@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import HttpVersion11, hdrs, web
 from kvindex.api.auth import api_key_middleware, refusal
-from kvindex.api.metrics import RequestMetrics, build_registry
+from kvindex.api.metrics import MetricsScraper, RequestMetrics
 from kvindex.api.openapi import openapi_handler
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
 from kvindex.api.score import ScoreHandler
@@ -25,7 +25,7 @@ from kvindex.api.settings import ApiSettings
 from kvindex.api.status_page import StatusPage
 from kvindex.indexer.status import IngestView
 from kvindex.indexer.store import StoreUnavailable
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Middleware
@@ -51,6 +51,7 @@ class RequestCounts:
 SERVICE = web.AppKey("service", IngestView)
 SETTINGS = web.AppKey("settings", ApiSettings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+SCRAPER = web.AppKey("scraper", MetricsScraper)
 REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
 HASH_EXECUTOR = web.AppKey("hash_executor", ThreadPoolExecutor)
 STORE_EXECUTOR = web.AppKey("store_executor", ThreadPoolExecutor)
@@ -154,7 +155,7 @@ async def handle_ingest(request: web.Request) -> web.Response:
 
 async def handle_metrics(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
-    body = await loop.run_in_executor(request.app[STORE_EXECUTOR], generate_latest, request.app[REGISTRY])
+    body = await loop.run_in_executor(request.app[STORE_EXECUTOR], request.app[SCRAPER].scrape)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -184,13 +185,15 @@ def create_app(
     if settings.api_key is not None:
         middlewares.append(api_key_middleware(settings.api_key))  # inside: its 401s are counted
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
-    registry, request_metrics = build_registry(service)
+    scraper = MetricsScraper(service)
+    request_metrics = scraper.requests
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvindex-hash")
     # Reads of a remote store (Redis) block on the network: run off the event loop, a few at a time.
     store_executor = ThreadPoolExecutor(max_workers=STORE_READ_THREADS, thread_name_prefix="kvindex-store")
     app[SERVICE] = service
     app[SETTINGS] = settings
-    app[REGISTRY] = registry
+    app[REGISTRY] = scraper.registry
+    app[SCRAPER] = scraper
     app[REQUEST_METRICS] = request_metrics
     app[REQUEST_COUNTS] = RequestCounts(request_metrics.requests)
     app[HASH_EXECUTOR] = executor

@@ -1,7 +1,7 @@
 """Prometheus metrics (`kvindex_*`), served by `GET /metrics`.
 
-Ingest metrics are read from the service at scrape time by a custom Collector (counters, pod statuses,
-index sizes), so the write path never touches a metric object. Request-path metrics (latency, matched
+Ingest metrics are read from the service at scrape time (counters, pod statuses, index sizes), so the
+write path never touches a metric object; the per-pod families are written as text (pod_metrics.py). Request-path metrics (latency, matched
 blocks, status codes) are owned by the API and live in a per-app registry, so tests can build many apps.
 """
 
@@ -9,35 +9,21 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 from typing import Protocol
 
 import msgspec
+from kvindex.api.pod_metrics import pod_exposition
 from kvindex.indexer.status import (
-    STATE_DISCONNECTED,
-    STATE_HASH_MISMATCH,
-    STATE_LIVE,
-    STATE_REPLAYING,
-    STATE_RESYNCING,
-    STATE_SILENT,
     IngestCounters,
     PodStatus,
 )
 from kvindex.indexer.store import StoreUnavailable
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-POD_STATES = (
-    STATE_LIVE,
-    STATE_REPLAYING,
-    STATE_RESYNCING,
-    STATE_SILENT,
-    STATE_HASH_MISMATCH,
-    STATE_DISCONNECTED,
-)
 
 SCORE_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MATCHED_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
@@ -127,8 +113,6 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "snapshots": ("ok", "unavailable", "invalid", "wrong_pod"),
 }
 
-_STREAM_LABELS = ["pod", "dp_rank", "model"]
-
 
 def ingest_counter_families(counters: IngestCounters) -> list[CounterMetricFamily]:
     """One counter family per IngestCounters field, in field order."""
@@ -148,119 +132,54 @@ def ingest_counter_families(counters: IngestCounters) -> list[CounterMetricFamil
     return families
 
 
-def pod_families(statuses: Sequence[PodStatus]) -> list[Metric]:
-    """Per (pod, dp rank) stream: info, state one-hot, blocks, last seq, event age, per-stream counters."""
+def ingest_families(source: MetricsSource) -> tuple[list[Metric], list[PodStatus]]:
+    """The service's families at one reading (counters, store_up, model and index sizes), and that
+    reading's pod statuses for `pod_exposition` ([] when the store did not answer: store_up is 0)."""
+    families: list[Metric] = list(ingest_counter_families(source.counters()))
+    store_up = GaugeMetricFamily(
+        "kvindex_store_up", "1 if the index's store answered this scrape (0: unreachable)."
+    )
+    try:
+        statuses = source.pod_statuses()
+    except StoreUnavailable:
+        store_up.add_metric([], 0.0)
+        families.append(store_up)
+        return families, []  # every family below reads the store
+    store_up.add_metric([], 1.0)
+    families.append(store_up)
+
     info = GaugeMetricFamily(
-        "kvindex_pod_info",
-        "Always 1; labels name the stream and where it is read from.",
-        labels=[*_STREAM_LABELS, "endpoint"],
+        "kvindex_model_info",
+        "Always 1; labels are a served model's hash settings (compare them with the engines').",
+        labels=["model", "block_size", "hash_algo"],
     )
-    age = GaugeMetricFamily(
-        "kvindex_pod_last_event_age_seconds",
-        "Seconds since the pod's last event (absent before its first).",
-        labels=_STREAM_LABELS,
+    keys = GaugeMetricFamily("kvindex_index_keys", "Block keys in the index.", labels=["model"])
+    entries = GaugeMetricFamily(
+        "kvindex_index_entries", "(block key, pod) entries in the index.", labels=["model"]
     )
-    state = GaugeMetricFamily(
-        "kvindex_pod_state", "Pod stream state, one-hot over the states.", labels=[*_STREAM_LABELS, "state"]
-    )
-    blocks = GaugeMetricFamily(
-        "kvindex_pod_blocks", "Blocks the index holds for the pod.", labels=_STREAM_LABELS
-    )
-    last_seq = GaugeMetricFamily(
-        "kvindex_pod_last_seq", "Last batch seq applied (absent before the first).", labels=_STREAM_LABELS
-    )
-    partial = GaugeMetricFamily(
-        "kvindex_pod_partial_view",
-        "1 if the stream joined after the engine's replay ring had moved past seq 0.",
-        labels=_STREAM_LABELS,
-    )
-    per_stream = {
-        "events_total": CounterMetricFamily(
-            "kvindex_pod_events", "Events applied, per stream.", labels=_STREAM_LABELS
-        ),
-        "gaps_total": CounterMetricFamily(
-            "kvindex_pod_gaps", "Sequence gaps, per stream.", labels=_STREAM_LABELS
-        ),
-        "replays_total": CounterMetricFamily(
-            "kvindex_pod_replays", "Replay requests, per stream.", labels=_STREAM_LABELS
-        ),
-        "hash_mismatches_total": CounterMetricFamily(
-            "kvindex_pod_hash_mismatches", "Sampled hash mismatches, per stream.", labels=_STREAM_LABELS
-        ),
-        "restarts_total": CounterMetricFamily(
-            "kvindex_pod_restarts", "Engine restarts detected, per stream.", labels=_STREAM_LABELS
-        ),
-    }
-    owner = GaugeMetricFamily(
-        "kvindex_pod_owner",
-        "Always 1; `owner` is the replica holding the pod's ingest lease (replicas sharing a store only).",
-        labels=[*_STREAM_LABELS, "owner"],
-    )
-    for status in statuses:
-        stream = [status.pod, str(status.dp_rank), status.model]
-        info.add_metric([*stream, status.endpoint], 1.0)
-        if status.owner is not None:
-            owner.add_metric([*stream, status.owner], 1.0)
-        if status.last_event_age_s is not None:
-            age.add_metric(stream, status.last_event_age_s)
-        if status.last_seq is not None:
-            last_seq.add_metric(stream, status.last_seq)
-        blocks.add_metric(stream, status.blocks)
-        partial.add_metric(stream, 1.0 if status.partial_view else 0.0)
-        for name in POD_STATES:
-            state.add_metric([*stream, name], 1.0 if status.state == name else 0.0)
-        for field_name, family in per_stream.items():
-            family.add_metric(stream, getattr(status, field_name))
-    return [info, age, state, blocks, last_seq, partial, owner, *per_stream.values()]
+    for model_name in source.model_names():
+        runtime = source.model(model_name)
+        if runtime is None:
+            continue
+        config = runtime.config
+        info.add_metric([model_name, str(config.block_size), config.hash_algo], 1.0)
+        try:
+            keys.add_metric([model_name], runtime.index.num_keys())
+            entries.add_metric([model_name], runtime.index.num_entries())
+        except StoreUnavailable:
+            pass  # the store went away between two reads: these two are absent this scrape
+    families.extend((info, keys, entries))
+    return families, statuses
 
 
-class IngestCollector(Collector):
-    """Turns the service's plain counters and statuses into metric families at scrape time."""
+class Collected(Collector):
+    """Families already built, for generate_latest."""
 
-    def __init__(self, source: MetricsSource) -> None:
-        self._source = source
-
-    def describe(self) -> list[Metric]:
-        # No eager describe: collecting calls into the service, which registration must not do.
-        return []
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
 
     def collect(self) -> Iterator[Metric]:
-        yield from ingest_counter_families(self._source.counters())
-        store_up = GaugeMetricFamily(
-            "kvindex_store_up", "1 if the index's store answered this scrape (0: unreachable)."
-        )
-        try:
-            yield from pod_families(self._source.pod_statuses())
-        except StoreUnavailable:
-            store_up.add_metric([], 0.0)
-            yield store_up
-            return  # every family below reads the store
-        store_up.add_metric([], 1.0)
-        yield store_up
-
-        info = GaugeMetricFamily(
-            "kvindex_model_info",
-            "Always 1; labels are a served model's hash settings (compare them with the engines').",
-            labels=["model", "block_size", "hash_algo"],
-        )
-        keys = GaugeMetricFamily("kvindex_index_keys", "Block keys in the index.", labels=["model"])
-        entries = GaugeMetricFamily(
-            "kvindex_index_entries", "(block key, pod) entries in the index.", labels=["model"]
-        )
-        for model_name in self._source.model_names():
-            runtime = self._source.model(model_name)
-            if runtime is None:
-                continue
-            config = runtime.config
-            info.add_metric([model_name, str(config.block_size), config.hash_algo], 1.0)
-            try:
-                keys.add_metric([model_name], runtime.index.num_keys())
-                entries.add_metric([model_name], runtime.index.num_entries())
-            except StoreUnavailable:
-                pass  # the store went away between two reads: these two are absent this scrape
-        yield info
-        yield keys
-        yield entries
+        return iter(self._families)
 
 
 def _labelled_counter(name: str, help_text: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
@@ -313,8 +232,22 @@ class RequestMetrics:
         self.matched_blocks.observe(best_matched_blocks)
 
 
-def build_registry(source: MetricsSource) -> tuple[CollectorRegistry, RequestMetrics]:
-    """A fresh registry holding the ingest collector and the request metrics."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(IngestCollector(source))
-    return registry, RequestMetrics(registry)
+class MetricsScraper:
+    """`GET /metrics` of one app: its request metrics (a registry private to the app, so tests can build
+    many apps), then the service's families read at scrape time (the write path never touches a metric
+    object), then the per-pod families written as text (pod_metrics.py)."""
+
+    def __init__(self, source: MetricsSource) -> None:
+        self._source = source
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = RequestMetrics(self.registry)
+
+    def scrape(self) -> bytes:
+        families, statuses = ingest_families(self._source)
+        return b"".join(
+            (
+                generate_latest(self.registry),
+                generate_latest(Collected(families)),
+                pod_exposition(statuses).encode("utf-8"),
+            )
+        )
