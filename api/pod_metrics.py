@@ -11,29 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvindex.indexer.status import (
-    STATE_DISCONNECTED,
-    STATE_HASH_MISMATCH,
-    STATE_LIVE,
-    STATE_REPLAYING,
-    STATE_RESYNCING,
-    STATE_SILENT,
-    PodStatus,
-)
+from kvindex.indexer.status import ALL_STATES, PodStatus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 # How prometheus_client writes a sample's value (Go's float formatting); untyped upstream.
 _go_float: Callable[[float], str] = floatToGoString
-
-POD_STATES = (
-    STATE_LIVE,
-    STATE_REPLAYING,
-    STATE_RESYNCING,
-    STATE_SILENT,
-    STATE_HASH_MISMATCH,
-    STATE_DISCONNECTED,
-)
 
 _STREAM_LABELS = ["pod", "dp_rank", "model"]
 
@@ -90,7 +73,7 @@ def pod_families(statuses: Sequence[PodStatus]) -> list[Metric]:
             last_seq.add_metric(stream, status.last_seq)
         blocks.add_metric(stream, status.blocks)
         partial.add_metric(stream, 1.0 if status.partial_view else 0.0)
-        for name in POD_STATES:
+        for name in ALL_STATES:
             state.add_metric([*stream, name], 1.0 if status.state == name else 0.0)
         for field_name, family in per_stream.items():
             family.add_metric(stream, getattr(status, field_name))
@@ -137,7 +120,7 @@ def pod_exposition(statuses: Sequence[PodStatus]) -> str:
         blocks.append(f"{labels} {go(status.blocks)}\n")
         partial.append(f"{labels} {'1.0' if status.partial_view else '0.0'}\n")
         one_hot = f"{rank},{model},{pod},state="
-        for name in POD_STATES:
+        for name in ALL_STATES:
             state.append(f'{one_hot}"{name}"}} {"1.0" if status.state == name else "0.0"}\n')
         for field_name, samples in counters.items():
             samples.append(f"{labels} {go(getattr(status, field_name))}\n")

@@ -7,10 +7,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 from kvindex.api.metrics import Collected, MetricsScraper
-from kvindex.api.pod_metrics import POD_STATES, pod_exposition, pod_families
+from kvindex.api.pod_metrics import pod_exposition, pod_families
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
-from kvindex.indexer.status import PodStatus
+from kvindex.indexer.status import ALL_STATES, PodStatus
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +25,7 @@ STATUSES = st.lists(
         model=LABEL_TEXT,
         dp_rank=st.integers(0, 1023),
         endpoint=LABEL_TEXT,
-        state=st.sampled_from([*POD_STATES, "unheard-of"]),
+        state=st.sampled_from([*ALL_STATES, "unheard-of"]),
         last_seq=st.none() | COUNT,
         last_event_age_s=st.none() | st.floats(0, 1e12, allow_nan=False) | st.just(float("inf")),
         events_total=COUNT,
@@ -57,7 +57,7 @@ def test_a_scrape_of_a_thousand_pods_parses_to_one_sample_set_per_stream() -> No
         service.stop()
     families = {family.name: family for family in text_string_to_metric_families(text)}
     state = families["kvindex_pod_state"]
-    assert len(state.samples) == 1000 * len(POD_STATES)
+    assert len(state.samples) == 1000 * len(ALL_STATES)
     assert {s.labels["pod"] for s in state.samples if s.value == 1.0} == {f"pod-{i}" for i in range(1000)}
     assert len(families["kvindex_pod_info"].samples) == 1000
     assert len(families["kvindex_pod_events"].samples) == 1000
