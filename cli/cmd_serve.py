@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvindex.cli.main import CliError
 from kvindex.cli.model_flags import add_hash_flags
+from kvindex.cli.process import EVENT_LOOPS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -80,6 +81,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "to the score path sooner (default 1; Python's own default is 5)",
     )
     parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        help="the HTTP API's event loop: auto takes uvloop when installed (lower score latency), else "
+        "asyncio's own (default auto)",
+    )
+    parser.add_argument(
         "--api-key",
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1/* (health, readiness and metrics stay open); "
@@ -123,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     _configure_logging(config.log_level)
+    try:
+        loop_factory, loop_line = process.event_loop_factory(config.event_loop)
+    except process.EventLoopUnavailable as exc:
+        raise CliError(str(exc)) from None
     # Before any ingest thread starts: the score path shares the GIL with them (see config.py).
     process.set_switch_interval(config.switch_interval_ms)
     process.raise_open_files_limit()
@@ -137,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(f"cannot set up ingest: {exc}") from None
-    return asyncio.run(_serve(service, config))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(service, config, loop_line))
 
 
 def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None:
@@ -162,13 +174,14 @@ def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None
     return make
 
 
-def _log_settings(service: IngestService, config: ServeConfig) -> None:
+def _log_settings(service: IngestService, config: ServeConfig, loop_line: str) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
     from kvindex.api import answer as answer_writer
     from kvindex.api import token_ids as request_reader
     from kvindex.hashing import compiled as hash_core
     from kvindex.indexer import compiled as index_core
 
+    logger.info("%s", loop_line)
     logger.info("GIL switch interval %.3g ms", sys.getswitchinterval() * 1000)
     logger.info("%s", hash_core.describe())
     logger.info("%s", index_core.describe())
@@ -242,7 +255,7 @@ def _dialled_hosts(config: ServeConfig) -> list[tuple[str, str, int]]:
     return targets
 
 
-async def _serve(service: IngestService, config: ServeConfig) -> int:
+async def _serve(service: IngestService, config: ServeConfig, loop_line: str) -> int:
     from aiohttp import web
     from kvindex.api.app import create_app
     from kvindex.cli import process
@@ -273,7 +286,7 @@ async def _serve(service: IngestService, config: ServeConfig) -> int:
         host, port = runner.addresses[0][:2]
         shown_host = f"[{host}]" if ":" in host else host
         print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
-        _log_settings(service, config)
+        _log_settings(service, config, loop_line)
         log_unresolved_hosts(_dialled_hosts(config), logger)
         await stop.wait()
         logger.info("signal received, stopping")

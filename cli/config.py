@@ -15,6 +15,7 @@ from typing import Annotated, Protocol
 
 import msgspec
 from kvindex.api.settings import ApiKey, ApiSettings, default_tier_weights
+from kvindex.cli.process import EVENT_LOOPS
 from kvindex.hashing.algorithms import HASH_ALGOS
 from kvindex.indexer.ingest import IngestSettings
 from kvindex.indexer.model import ModelConfig, PodConfig
@@ -56,6 +57,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     store: StoreSettings = StoreSettings()
     log_level: str = "info"
     switch_interval_ms: float = DEFAULT_SWITCH_INTERVAL_MS
+    # The HTTP side's event loop (cli/process.event_loop_factory): auto, uvloop or asyncio.
+    event_loop: str = "auto"
     # model name -> where its hash seed came from: "--hash-seed", "config file", "PYTHONHASHSEED" or
     # "unset: vLLM default" (logged at start-up so operators can check it against the engines).
     seed_sources: dict[str, str] = {}
@@ -430,6 +433,13 @@ class _ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
             "ingest threads to the score path sooner (Python's own default is 5)."
         ),
     ] = DEFAULT_SWITCH_INTERVAL_MS
+    event_loop: Annotated[
+        str,
+        _key(
+            "The HTTP API's event loop: `auto` (uvloop when installed, else asyncio's), `uvloop` (refuse to "
+            "start without it) or `asyncio`."
+        ),
+    ] = "auto"
     models: list[_ModelSection] = []
     pods: list[_PodSection] = []
     tiers: _TierSection = msgspec.field(default_factory=_TierSection)
@@ -549,6 +559,7 @@ class ServeArgs(Protocol):
     hash_algo: str | None
     hash_seed: str | None
     switch_interval_ms: float | None
+    event_loop: str | None
     log_level: str | None
     min_live_pods: int | None
     api_key: str | None
@@ -624,8 +635,12 @@ def build_serve_config(args: ServeArgs, env: Mapping[str, str]) -> ServeConfig:
     )
     if not 0 < switch_interval_ms <= 1000:
         raise ConfigError(f"--switch-interval-ms must be in (0, 1000], got {switch_interval_ms}")
+    event_loop = args.event_loop or file.event_loop
+    if event_loop not in EVENT_LOOPS:
+        raise ConfigError(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {event_loop!r}")
     return ServeConfig(
         switch_interval_ms=switch_interval_ms,
+        event_loop=event_loop,
         models=tuple(models),
         pods=tuple(pods),
         listen=listen,

@@ -1,14 +1,45 @@
-"""Process setup for `kvindex serve`: what belongs to the process, not to the indexer — the open-files
-limit, the GIL switch interval, the start-up heap kept out of the cyclic collector's passes, and handing
-freed heap pages back to the OS."""
+"""Process setup for `kvindex serve`: what belongs to the process, not to the indexer — the event loop, the
+open-files limit, the GIL switch interval, the start-up heap kept out of the cyclic collector's passes, and
+handing freed heap pages back to the OS."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
+import importlib.metadata
 import sys
 from collections.abc import Callable
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+class EventLoopUnavailable(RuntimeError):
+    """The event loop asked for cannot run here; the message says why and what to choose instead."""
+
+
+def event_loop_factory(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
+    """The factory of the loop the HTTP side runs on (None: asyncio's own, set as the current loop as
+    asyncio.run does) and a line for the log saying which loop and why.
+
+    auto takes uvloop when it is installed: aiohttp's per-request work costs less on it. Two `kvindex
+    serve`s on one feed (100 pods x 10k blocks), requests alternating between them, 2,000 each: 512-hash
+    scores mean 3-5% and p99 7-15% lower, 8192-token scores mean 3-5% lower. asyncio is the fallback.
+    """
+    if choice not in EVENT_LOOPS:
+        raise EventLoopUnavailable(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {choice!r}")
+    if choice == "asyncio":
+        return None, "event loop: asyncio (--event-loop asyncio)"
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise EventLoopUnavailable(
+                "--event-loop uvloop: uvloop is not installed here (pip install uvloop); choose auto or asyncio"
+            ) from None
+        return None, "event loop: asyncio (uvloop is not installed)"
+    return uvloop.new_event_loop, f"event loop: uvloop {importlib.metadata.version('uvloop')}"
 
 
 def raise_open_files_limit() -> None:

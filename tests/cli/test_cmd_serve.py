@@ -3,6 +3,7 @@ SIGINT (exit 0, no traceback)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import queue
@@ -165,6 +166,65 @@ def test_serve_api_key_flag_beats_the_variable_and_neither_is_logged(engine: Eve
     assert "HTTP API: /v1/* requires the API key (from --api-key)" in log
     assert '"POST /v1/score HTTP/1.1" 401' in log  # the access log saw the refused requests ...
     assert flag_key not in log and env_key not in log  # ... and neither key
+    assert "Traceback" not in log
+
+
+def post_json(url: str, body: object) -> dict[str, object]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        answer: dict[str, object] = json.loads(response.read())
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("flags", "loop_line"),
+    [
+        ([], f"event loop: uvloop {importlib.metadata.version('uvloop')}"),
+        (["--event-loop", "asyncio"], "event loop: asyncio (--event-loop asyncio)"),
+    ],
+    ids=["auto-uvloop", "asyncio"],
+)
+def test_serve_answers_scores_on_the_event_loop_it_names(
+    engine: EventPublisher, flags: list[str], loop_line: str
+) -> None:
+    """The event loop the HTTP API runs on is logged at start-up, and both answer the same score for what
+    an engine published, then stop cleanly."""
+    pod = f"pod-a={engine.endpoint},replay={engine.replay_endpoint}"
+    argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m", "--pod", pod]
+    argv += ["--hash-seed", "0", *flags]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = stderr_lines(proc)
+    try:
+        line = read_line(proc, 30.0)
+        assert line.startswith(LISTENING), line
+        url = line[len(LISTENING) :].strip()
+        block_keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(TOKENS)
+        stored = BlockStored(
+            block_hashes=block_keys,
+            parent_block_hash=None,
+            token_ids=TOKENS,
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        engine.publish([stored])
+        matched: list[object] = []
+
+        def scored() -> bool:
+            answer = post_json(url + "/v1/score", {"model": "m", "token_ids": TOKENS})
+            matched[:] = [(s["pod"], s["matched_blocks"]) for s in answer["scores"]]  # type: ignore[attr-defined,index]
+            return bool(matched)
+
+        wait_for(scored, timeout_s=30.0, what="pod-a in the score's answer", poll_s=0.05)
+        assert matched == [("pod-a", 2)]
+        by_hash = post_json(url + "/v1/score", {"model": "m", "block_hashes": block_keys[:1]})
+        assert [(s["pod"], s["matched_blocks"], s["state"]) for s in by_hash["scores"]] == [  # type: ignore[attr-defined,index]
+            ("pod-a", 1, "live")
+        ]
+    finally:
+        log = "".join(sigterm_and_drain(proc, lines))
+    assert loop_line in log
     assert "Traceback" not in log
 
 

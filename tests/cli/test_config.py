@@ -191,6 +191,20 @@ def test_switch_interval_from_file_and_flag(tmp_path: Path) -> None:
     assert build([*base, "--switch-interval-ms", "0.5"]).switch_interval_ms == 0.5
 
 
+def test_event_loop_defaults_to_auto_and_the_flag_beats_the_file(tmp_path: Path) -> None:
+    assert build(["--model", "m", "--listen", "tcp://*:5557"]).event_loop == "auto"
+    path = write(tmp_path, "event_loop = 'asyncio'\n[[models]]\nname = 'm'\n")
+    base = ["--config", path, "--listen", "tcp://*:5557"]
+    assert build(base).event_loop == "asyncio"
+    assert build([*base, "--event-loop", "uvloop"]).event_loop == "uvloop"
+
+
+def test_an_unknown_event_loop_in_the_file_is_one_sentence(tmp_path: Path) -> None:
+    path = write(tmp_path, "event_loop = 'trio'\n[[models]]\nname = 'm'\n")
+    with pytest.raises(ConfigError, match=r"^event loop must be one of auto, uvloop, asyncio, got 'trio'$"):
+        build(["--config", path, "--listen", "tcp://*:5557"])
+
+
 def test_listen_is_repeatable_one_per_dp_rank() -> None:
     config = build(["--model", "m", "--listen", "tcp://*:5557", "--listen", "tcp://*:5558"])
     assert config.listen == ("tcp://*:5557", "tcp://*:5558")
