@@ -1,9 +1,11 @@
 """kvindex vs NVIDIA Dynamo's indexer on identical vLLM KV-event bytes: ingest, score latency, memory, scale.
 
-Both services are real processes on 127.0.0.1 fed by a separate publisher process (one XPUB per engine,
-pre-encoded vLLM 0.33 payloads from benchmarks/workload.py). They run one after the other on the same
-bytes (sequential is fairer on a small box than running both at once). Timings use one HTTP client
-(benchmarks/service.py JsonClient) for both. Dynamo is optional: without it only kvindex's column is filled.
+Both services are real processes on 127.0.0.1 fed by a separate publisher process each (one XPUB per
+engine, pre-encoded vLLM 0.33 payloads from benchmarks/workload.py), on the same bytes. Each ingests alone
+while the other idles (sequential is fairer on a small box than both at once); their idle score latencies
+are then timed request by request in turn, so a stall of the shared box meets both alike. Timings use one
+HTTP client (benchmarks/service.py JsonClient) for both. Dynamo is optional: without it only kvindex's
+column is filled.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import multiprocessing.connection
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -430,6 +432,47 @@ def time_queries(
     return results
 
 
+def ingest_first_round(
+    subject: Subject, publishers: Publishers, result: SubjectResult, ingest_timeout_s: float
+) -> None:
+    """Attach, ingest round 0 (timed), and the RSS before and after it."""
+    publishers.await_subscribers()
+    result.rss_before = subject.rss_bytes()
+    publishers.start_round(0)
+    await_ingest(subject, 0, ingest_timeout_s)
+    done = time.monotonic()
+    first, last = publishers.finish_round()
+    result.ingest_s, result.publish_s = done - first, last - first
+    # Steady state, for both subjects alike: give each a moment to settle after the burst (kvindex
+    # hands freed payload pages back to the OS once ingest is idle).
+    time.sleep(0.5)  # ok: a fixed settling time, not a wait for a condition
+    result.rss_after = subject.rss_bytes()
+
+
+def _time_during_ingest(
+    subject: Subject,
+    publishers: Publishers,
+    feed: Feed,
+    requests: dict[str, list[tuple[str, bytes]]],
+    result: SubjectResult,
+    ingest_timeout_s: float,
+) -> None:
+    """Round 1 published while queries run (all but the full-answer row), until it is ingested."""
+    publishers.start_round(1)
+    result.during = time_queries(
+        subject,
+        feed,
+        {kind: made for kind, made in requests.items() if kind != "tokens_full"},
+        keep_going=lambda: not subject.caught_up(1),
+        max_rounds=20,
+        warm_up=False,
+    )
+    await_ingest(subject, 1, ingest_timeout_s)
+    done = time.monotonic()  # to within the 10 queries between checks
+    first, _ = publishers.finish_round()
+    result.during_ingest_s = done - first
+
+
 def run_subject(
     kind: str,
     feed: Feed,
@@ -445,34 +488,87 @@ def run_subject(
         Publishers(feed.payloads) as publishers,
         start_subject(kind, publishers, feed, serve_args) as subject,
     ):
-        publishers.await_subscribers()
-        result.rss_before = subject.rss_bytes()
-        publishers.start_round(0)
-        await_ingest(subject, 0, ingest_timeout_s)
-        done = time.monotonic()
-        first, last = publishers.finish_round()
-        result.ingest_s, result.publish_s = done - first, last - first
-        # Steady state, for both subjects alike: give each a moment to settle after the burst (kvindex
-        # hands freed payload pages back to the OS once ingest is idle).
-        time.sleep(0.5)  # ok: a fixed settling time, not a wait for a condition
-        result.rss_after = subject.rss_bytes()
+        ingest_first_round(subject, publishers, result, ingest_timeout_s)
         requests = _requests(subject, feed, query_kinds)
         result.idle = time_queries(subject, feed, requests)
         if measure_during:
-            publishers.start_round(1)
-            result.during = time_queries(
-                subject,
-                feed,
-                {kind: made for kind, made in requests.items() if kind != "tokens_full"},
-                keep_going=lambda: not subject.caught_up(1),
-                max_rounds=20,
-                warm_up=False,
-            )
-            await_ingest(subject, 1, ingest_timeout_s)
-            done = time.monotonic()  # to within the 10 queries between checks
-            first, _ = publishers.finish_round()
-            result.during_ingest_s = done - first
+            _time_during_ingest(subject, publishers, feed, requests, result, ingest_timeout_s)
     return result
+
+
+def time_queries_paired(
+    subjects: Sequence[Subject], feed: Feed, requests: Sequence[dict[str, list[tuple[str, bytes]]]]
+) -> list[dict[str, Latencies]]:
+    """Idle latency of several services, request by request in turn (the first to ask swaps every
+    query), each answer checked: a stall of this shared box lands on whichever request it meets, so
+    over a phase it meets both services alike instead of the one that happened to run then."""
+    clients = [JsonClient(subject.port) for subject in subjects]
+    results = [{kind: Latencies() for kind in made} for made in requests]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as in time_queries
+    try:
+        for client, made in zip(clients, requests, strict=True):
+            for path, body in next(iter(made.values()))[:3]:  # untimed warm-up
+                client.request("POST", path, body)
+        order = list(range(len(subjects)))
+        for index, query in enumerate(feed.queries):
+            for kind in requests[0]:
+                for at in order if index % 2 == 0 else reversed(order):
+                    elapsed, response = _timed_post(clients[at], *requests[at][kind][index])
+                    latencies = results[at][kind]
+                    latencies.samples_s.append(elapsed)
+                    latencies.checked += 1
+                    latencies.correct += subjects[at].blocks_per_engine(response) == query.expected_blocks
+    finally:
+        for client in clients:
+            client.close()
+        if gc_was_enabled:
+            gc.enable()
+    return results
+
+
+def run_round(
+    kinds: Sequence[str],
+    feed: Feed,
+    *,
+    measure_during: bool,
+    query_kinds: Sequence[str],
+    ingest_timeout_s: float,
+    log: Callable[[str], None],
+) -> dict[str, SubjectResult]:
+    """One round of every service on identical payload bytes: each ingests round 0 alone (in `kinds`'
+    order, the others idle), then their idle queries are timed in turn (time_queries_paired), then each
+    ingests round 1 alone under queries."""
+    results = {kind: SubjectResult(kind, feed.num_blocks) for kind in kinds}
+    alive: dict[str, tuple[Subject, Publishers]] = {}
+    with ExitStack() as stack:
+        for kind in kinds:
+            try:
+                publishers = stack.enter_context(Publishers(feed.payloads))
+                subject = stack.enter_context(start_subject(kind, publishers, feed))
+                ingest_first_round(subject, publishers, results[kind], ingest_timeout_s)
+                alive[kind] = subject, publishers
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                _failed(results[kind], exc, log)
+        requests = {kind: _requests(subject, feed, query_kinds) for kind, (subject, _) in alive.items()}
+        paired = time_queries_paired(
+            [subject for subject, _ in alive.values()], feed, list(requests.values())
+        )
+        for kind, idle in zip(alive, paired, strict=True):
+            results[kind].idle = idle
+        for kind, (subject, publishers) in alive.items() if measure_during else ():
+            try:
+                _time_during_ingest(
+                    subject, publishers, feed, requests[kind], results[kind], ingest_timeout_s
+                )
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                _failed(results[kind], exc, log)
+    return results
+
+
+def _failed(result: SubjectResult, exc: BaseException, log: Callable[[str], None]) -> None:
+    result.error = f"{type(exc).__name__}: {exc}"[:300]
+    log(f"  {result.name} failed: {result.error}")
 
 
 def run_pair(
@@ -485,27 +581,24 @@ def run_pair(
     log: Callable[[str], None],
     rounds: int = 1,
 ) -> dict[str, SubjectResult]:
-    """kvindex and Dynamo (if available) on identical payload bytes, `rounds` times, interleaved (the
-    subjects swap places each round, so neither always runs first) and merged (see merge_rounds)."""
+    """kvindex and Dynamo (if available) on identical payload bytes, `rounds` times (run_round; the
+    subjects swap places each round, so neither always ingests first) and merged (see merge_rounds)."""
     kinds = ("kvindex", "Dynamo") if dynamo_ok else ("kvindex",)
     runs: dict[str, list[SubjectResult]] = {kind: [] for kind in kinds}
     for round_no in range(rounds):
-        for kind in kinds if round_no % 2 == 0 else tuple(reversed(kinds)):
-            suffix = f" (round {round_no + 1} of {rounds})" if rounds > 1 else ""
-            log(
-                f"  {kind}: {feed.spec.num_engines} engines x {feed.spec.blocks_per_engine} blocks{suffix} ..."
-            )
-            try:
-                result = run_subject(
-                    kind,
-                    feed,
-                    measure_during=measure_during,
-                    query_kinds=query_kinds,
-                    ingest_timeout_s=ingest_timeout_s,
-                )
-            except (TimeoutError, RuntimeError, OSError) as exc:
-                result = SubjectResult(kind, feed.num_blocks, error=f"{type(exc).__name__}: {exc}"[:300])
-                log(f"  {kind} failed: {result.error}")
+        order = kinds if round_no % 2 == 0 else tuple(reversed(kinds))
+        suffix = f" (round {round_no + 1} of {rounds})" if rounds > 1 else ""
+        log(
+            f"  {' + '.join(order)}: {feed.spec.num_engines} engines x {feed.spec.blocks_per_engine} blocks{suffix} ..."
+        )
+        for kind, result in run_round(
+            order,
+            feed,
+            measure_during=measure_during,
+            query_kinds=query_kinds,
+            ingest_timeout_s=ingest_timeout_s,
+            log=log,
+        ).items():
             runs[kind].append(result)
     return {kind: merge_rounds(kind_runs) for kind, kind_runs in runs.items()}
 
