@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"== ingest: {spec.num_engines} engines x {spec.blocks_per_engine} blocks = "
             f"{feed.num_blocks:,} pod-block pairs, {spec.blocks_per_event} blocks/BlockStored, "
-            f"{spec.events_per_message} events/message; services run one after the other on identical bytes"
+            f"{spec.events_per_message} events/message; each service ingests alone, on identical bytes"
         )
         print(ingest_table(results))
         ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
