@@ -11,9 +11,9 @@ import pytest
 from benchmarks.compare import (
     Publishers,
     SubjectResult,
-    ingest_first_round,
     _requests,
     build,
+    ingest_first_round,
     start_subject,
     time_queries_paired,
 )
