@@ -502,6 +502,8 @@ def time_queries_paired(
     """Idle latency of several services, request by request in turn (the first to ask swaps every
     query), each answer checked: a stall of this shared box lands on whichever request it meets, so
     over a phase it meets both services alike instead of the one that happened to run then."""
+    if not subjects:  # every service failed before its queries
+        return []
     clients = [JsonClient(subject.port) for subject in subjects]
     results = [{kind: Latencies() for kind in made} for made in requests]
     gc_was_enabled = gc.isenabled()

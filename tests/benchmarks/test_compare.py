@@ -14,6 +14,7 @@ from benchmarks.compare import (
     _requests,
     build,
     ingest_first_round,
+    run_round,
     start_subject,
     time_queries_paired,
 )
@@ -43,3 +44,22 @@ def test_two_services_are_timed_in_turn_and_every_answer_is_checked() -> None:
             assert len(latencies[kind].samples_s) == latencies[kind].checked == len(feed.queries) == 6
             assert latencies[kind].correct == 6
             assert all(sample > 0 for sample in latencies[kind].samples_s)
+
+
+def test_a_service_that_fails_to_ingest_is_reported_and_the_round_still_ends() -> None:
+    feed = build(
+        WorkloadSpec(num_engines=2, blocks_per_engine=64, num_prefixes=2, num_queries=4), lambda _: None
+    )
+    logged: list[str] = []
+    results = run_round(
+        ("kvindex",),
+        feed,
+        measure_during=True,
+        query_kinds=("tokens",),
+        ingest_timeout_s=0.0,  # no service ingests anything in no time
+        log=logged.append,
+    )
+    (result,) = results.values()
+    assert result.error == "TimeoutError: kvindex did not ingest round 0 in 0s"
+    assert result.idle == {} and result.during == {}
+    assert logged == ["  kvindex failed: TimeoutError: kvindex did not ingest round 0 in 0s"]
