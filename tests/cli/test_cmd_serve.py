@@ -169,6 +169,21 @@ def test_serve_api_key_flag_beats_the_variable_and_neither_is_logged(engine: Eve
     assert "Traceback" not in log
 
 
+def stored_tokens() -> tuple[list[int], BlockStored]:
+    """TOKENS' two blocks as an engine with --hash-seed 0 stores them: their event hashes and the event."""
+    block_keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(TOKENS)
+    stored = BlockStored(
+        block_hashes=block_keys,
+        parent_block_hash=None,
+        token_ids=TOKENS,
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return block_keys, stored
+
+
 def post_json(url: str, body: object) -> dict[str, object]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -198,16 +213,7 @@ def test_serve_answers_scores_on_the_event_loop_it_names(
         line = read_line(proc, 30.0)
         assert line.startswith(LISTENING), line
         url = line[len(LISTENING) :].strip()
-        block_keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(TOKENS)
-        stored = BlockStored(
-            block_hashes=block_keys,
-            parent_block_hash=None,
-            token_ids=TOKENS,
-            block_size=16,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
+        block_keys, stored = stored_tokens()
         engine.publish([stored])
         matched: list[object] = []
 
@@ -254,16 +260,7 @@ def test_serve_binds_one_listen_per_dp_rank() -> None:
         host, _, port = bound[1].rpartition(":")
         publisher = EventPublisher(f"{host}:{int(port) - 1}", topic="kv@pod-x@m", dp_rank=1)
         assert publisher.endpoint == bound[1]
-        block_keys = BlockHasher(algo="sha256", block_size=16, seed="0").event_hashes(TOKENS)
-        stored = BlockStored(
-            block_hashes=block_keys,
-            parent_block_hash=None,
-            token_ids=TOKENS,
-            block_size=16,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
+        block_keys, stored = stored_tokens()
         seen: list[object] = []
 
         def listed() -> bool:
