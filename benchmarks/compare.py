@@ -387,21 +387,17 @@ def _requests(subject: Subject, feed: Feed, kinds: Sequence[str]) -> dict[str, l
     return made
 
 
-def time_queries(
+def time_queries_during(
     subject: Subject,
     feed: Feed,
     requests: dict[str, list[tuple[str, bytes]]],
-    *,
-    keep_going: Callable[[], bool] | None = None,
-    max_rounds: int = 1,
-    warm_up: bool = True,
+    keep_going: Callable[[], bool],
+    max_rounds: int,
 ) -> dict[str, Latencies]:
-    """Time every request (kinds interleaved) and check each answer against the brute-force overlaps.
-
-    With `keep_going`, cycle through the queries (at most `max_rounds` times) while it stays true,
-    asking it every 10 queries: used to sample only while an ingest round is still running (no
-    warm-up then: a request stalled behind ingest must be counted, not hidden).
-    """
+    """Time every request (kinds interleaved) and check each answer against the brute-force overlaps,
+    cycling through the queries (at most `max_rounds` times) while `keep_going` stays true, asked every 10
+    queries: samples only while an ingest round is still running (no warm-up: a request stalled behind
+    ingest must be counted, not hidden)."""
     client = JsonClient(subject.port)
     results = {kind: Latencies() for kind in requests}
     # The cyclic collector stays out of the timed loop (as timeit keeps it out): a collection in this
@@ -410,8 +406,6 @@ def time_queries(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for path, body in next(iter(requests.values()))[:3] if warm_up else []:  # untimed warm-up
-            client.request("POST", path, body)
         asked = 0
         for _ in range(max_rounds):
             for index, query in enumerate(feed.queries):
@@ -421,9 +415,9 @@ def time_queries(
                     results[kind].checked += 1
                     results[kind].correct += subject.blocks_per_engine(response) == query.expected_blocks
                 asked += 1
-                if keep_going is not None and asked % 10 == 0 and not keep_going():
+                if asked % 10 == 0 and not keep_going():
                     return results
-            if keep_going is None or not keep_going():
+            if not keep_going():
                 break
     finally:
         client.close()
@@ -459,13 +453,12 @@ def _time_during_ingest(
 ) -> None:
     """Round 1 published while queries run (all but the full-answer row), until it is ingested."""
     publishers.start_round(1)
-    result.during = time_queries(
+    result.during = time_queries_during(
         subject,
         feed,
         {kind: made for kind, made in requests.items() if kind != "tokens_full"},
         keep_going=lambda: not subject.caught_up(1),
         max_rounds=20,
-        warm_up=False,
     )
     await_ingest(subject, 1, ingest_timeout_s)
     done = time.monotonic()  # to within the 10 queries between checks
@@ -490,7 +483,7 @@ def run_subject(
     ):
         ingest_first_round(subject, publishers, result, ingest_timeout_s)
         requests = _requests(subject, feed, query_kinds)
-        result.idle = time_queries(subject, feed, requests)
+        (result.idle,) = time_queries_paired([subject], feed, [requests])
         if measure_during:
             _time_during_ingest(subject, publishers, feed, requests, result, ingest_timeout_s)
     return result
@@ -507,7 +500,7 @@ def time_queries_paired(
     clients = [JsonClient(subject.port) for subject in subjects]
     results = [{kind: Latencies() for kind in made} for made in requests]
     gc_was_enabled = gc.isenabled()
-    gc.disable()  # as in time_queries
+    gc.disable()  # as in time_queries_during
     try:
         for client, made in zip(clients, requests, strict=True):
             for path, body in next(iter(made.values()))[:3]:  # untimed warm-up
