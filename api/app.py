@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from aiohttp import HttpVersion11, hdrs, web
 from kvindex.api.auth import api_key_middleware, refusal
+from kvindex.api.failures import INTERNAL_ERROR, expected_failure
 from kvindex.api.metrics import MetricsScraper, RequestMetrics
 from kvindex.api.openapi import openapi_handler
-from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse, RequestError
+from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse
 from kvindex.api.score import ScoreHandler
 from kvindex.api.settings import ApiSettings
 from kvindex.api.status_page import StatusPage
 from kvindex.indexer.status import IngestView
-from kvindex.indexer.store import StoreUnavailable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
 
 if TYPE_CHECKING:
@@ -76,18 +76,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     route = resource.canonical if resource is not None else "unmatched"
     try:
         response = await handler(request)
-    except RequestError as exc:
-        response = error_response(exc.status, str(exc))
-    except StoreUnavailable as exc:
-        # A shared store (Redis) that cannot be reached: the answer would be a guess.
-        response = error_response(503, f"store: {exc}")
     except web.HTTPException as exc:
         response = _http_exception_response(request, exc)
     except asyncio.CancelledError:
         raise  # the client went away or the server is stopping
-    except Exception:
-        logger.exception("unhandled error answering %s %s", request.method, request.path)
-        response = error_response(500, "server: internal error (logged on the server)")
+    except Exception as exc:
+        failure = expected_failure(exc)
+        if failure is None:
+            logger.exception("unhandled error answering %s %s", request.method, request.path)
+            failure = (500, INTERNAL_ERROR)
+        response = error_response(*failure)
     request.app[REQUEST_COUNTS].count(route, response.status)
     return response
 

@@ -37,19 +37,26 @@ def refusal(request: web.Request, api_key: ApiKey) -> web.Response | None:
     repeats what the client sent: a wrong key may be a real key of something else."""
     if not is_protected(request):
         return None
-    header = request.headers.get(hdrs.AUTHORIZATION)
+    problem = authorization_problem(request.headers.get(hdrs.AUTHORIZATION), api_key)
+    return None if problem is None else _unauthorized(*problem)
+
+
+def authorization_problem(header: str | None, api_key: ApiKey) -> tuple[str, str] | None:
+    """None when an Authorization header's value carries `api_key`; else (what is wrong, the
+    WWW-Authenticate challenge)."""
     if header is None:
         # RFC 6750 section 3: no error code when the request had no credentials at all.
-        return _unauthorized("missing; send Authorization: Bearer <API key>", "Bearer")
+        return "missing; send Authorization: Bearer <API key>", "Bearer"
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
-        return _unauthorized(
-            "expected the Bearer scheme (Authorization: Bearer <API key>)", 'Bearer error="invalid_request"'
+        return (
+            "expected the Bearer scheme (Authorization: Bearer <API key>)",
+            'Bearer error="invalid_request"',
         )
     # Surrounding spaces cannot be part of a key (cli/config.py refuses such keys): RFC 7235 allows
     # several spaces after the scheme.
     if not api_key.matches(token.strip(" ")):
-        return _unauthorized("wrong API key", 'Bearer error="invalid_token"')
+        return "wrong API key", 'Bearer error="invalid_token"'
     return None
 
 

@@ -138,20 +138,48 @@ class ScoreHandler:
     async def handle(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         body = await request.read()
-        score_request = decode_score_request(body)
-        validate_score_request(score_request, max_tokens=self._settings.max_tokens)
-        runtime = resolve_model(self._service, score_request.model)
-        config = runtime.config
-        block_keys = await self._block_keys(config, score_request)
+        score_request, runtime = self._parse(body)
+        block_keys = await self._block_keys(runtime.config, score_request)
         if runtime.index.blocking_io:
             # A remote store's round trip (or its timeout, when it is unreachable) must not hold up the
             # event loop: health checks and other requests go on meanwhile.
             loop = asyncio.get_running_loop()
-            scores, best, unknown_pods = await loop.run_in_executor(
+            answer = await loop.run_in_executor(
                 self._store_executor, self._answer, runtime, block_keys, score_request
             )
         else:
-            scores, best, unknown_pods = self._answer(runtime, block_keys, score_request)
+            answer = self._answer(runtime, block_keys, score_request)
+        encoded = self._encode(started, runtime.config, block_keys, answer)
+        return web.Response(body=encoded, content_type="application/json")
+
+    def answer_now(self, body: bytes) -> bytes | None:
+        """The encoded 200 answer to a request `body`, computed on the calling (event loop) thread; None when
+        it needs a thread (a prompt of `hash_in_executor_min_tokens` or more, or a remote store): `handle`
+        answers those. A client mistake raises RequestError, as in `handle`."""
+        started = time.perf_counter()
+        score_request, runtime = self._parse(body)
+        if runtime.index.blocking_io:
+            return None
+        block_keys = self._block_keys_now(runtime.config, score_request)
+        if block_keys is None:
+            return None
+        return self._encode(
+            started, runtime.config, block_keys, self._answer(runtime, block_keys, score_request)
+        )
+
+    def _parse(self, body: bytes) -> tuple[ScoreRequest, ModelRuntime]:
+        score_request = decode_score_request(body)
+        validate_score_request(score_request, max_tokens=self._settings.max_tokens)
+        return score_request, resolve_model(self._service, score_request.model)
+
+    def _encode(
+        self,
+        started: float,
+        config: ModelConfig,
+        block_keys: list[int],
+        answer: tuple[bytes, int, list[str] | msgspec.UnsetType],
+    ) -> bytes:
+        scores, best, unknown_pods = answer
         response = EncodedScoreResponse(
             model=config.name,
             block_size=config.block_size,
@@ -160,7 +188,7 @@ class ScoreHandler:
             unknown_pods=unknown_pods,
         )
         self._metrics.observe_score(started, best)
-        return web.Response(body=JSON_ENCODER.encode(response), content_type="application/json")
+        return JSON_ENCODER.encode(response)
 
     def _answer(
         self, runtime: ModelRuntime, block_keys: list[int], request: ScoreRequest
@@ -206,13 +234,20 @@ class ScoreHandler:
         return [pod_id for pod_id in candidates if pod_id not in streams]
 
     async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> list[int]:
-        if request.block_hashes is not None:
-            return request.block_hashes
-        assert request.token_ids is not None
+        block_keys = self._block_keys_now(config, request)
+        if block_keys is not None:
+            return block_keys
         lora_path = resolve_lora_path(config, request)
-        if len(request.token_ids) < self._settings.hash_in_executor_min_tokens:
-            return self._loop_hashers.block_keys(config, request, lora_path)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, self._worker_hashers.block_keys, config, request, lora_path
         )
+
+    def _block_keys_now(self, config: ModelConfig, request: ScoreRequest) -> list[int] | None:
+        """The request's block keys, hashed on this thread; None for a prompt the worker thread hashes."""
+        if request.block_hashes is not None:
+            return request.block_hashes
+        assert request.token_ids is not None
+        if len(request.token_ids) >= self._settings.hash_in_executor_min_tokens:
+            return None
+        return self._loop_hashers.block_keys(config, request, resolve_lora_path(config, request))
