@@ -4,7 +4,8 @@ Routes: POST /v1/score (api/score.py), GET /v1/pods, /metrics, /healthz, /readyz
 (api/openapi.py), and the status page (api/status_page.py): GET / and /ui, and the JSON it polls, GET
 /v1/status. Every error a client can cause is a JSON `{"error": "<field>: <what is wrong>"}`; anything
 unexpected is a logged 500, never a traceback to the client and never a crash of the server or of ingest.
-With an API key set, /v1/* needs it (api/auth.py).
+With an API key set, /v1/* needs it (api/auth.py). Served through api/site.py, whose connections answer plain
+scores themselves (api/score_connection.py) with this app's ScoreHandler, and hand everything else here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvindex.api.metrics import MetricsScraper, RequestMetrics
 from kvindex.api.openapi import openapi_handler
 from kvindex.api.schemas import JSON_ENCODER, ErrorBody, PodsResponse
 from kvindex.api.score import ScoreHandler
+from kvindex.api.score_connection import FastScore
 from kvindex.api.settings import ApiSettings
 from kvindex.api.status_page import StatusPage
 from kvindex.indexer.status import IngestView
@@ -57,6 +59,7 @@ HASH_EXECUTOR = web.AppKey("hash_executor", ThreadPoolExecutor)
 STORE_EXECUTOR = web.AppKey("store_executor", ThreadPoolExecutor)
 STORE_READ_THREADS = 4
 REQUEST_COUNTS = web.AppKey("request_counts", RequestCounts)
+FAST_SCORE = web.AppKey("fast_score", FastScore)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -207,6 +210,8 @@ def create_app(
 
     app[STORE_EXECUTOR] = store_executor
     score = ScoreHandler(service, settings, request_metrics, executor, store_executor)
+    # api/site.py answers plain scores with it, before aiohttp (api/score_connection.py)
+    app[FAST_SCORE] = FastScore(score, settings.max_body_bytes, settings.api_key, app[REQUEST_COUNTS].count)
     status_page = StatusPage(service, request_metrics, store_executor)
     app.router.add_routes(
         [

@@ -219,6 +219,7 @@ class BackgroundServer:
     async def _serve(self) -> None:
         from aiohttp import web
         from kvindex.api.app import create_app
+        from kvindex.api.site import ApiSite
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -226,7 +227,7 @@ class BackgroundServer:
             create_app(self._service, ApiSettings(host="127.0.0.1", port=0)), access_log=None
         )
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        await ApiSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]
         self.url = f"http://{host}:{port}/v1/score"
         self._started.set()

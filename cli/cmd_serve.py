@@ -258,6 +258,7 @@ def _dialled_hosts(config: ServeConfig) -> list[tuple[str, str, int]]:
 async def _serve(service: IngestService, config: ServeConfig, loop_line: str) -> int:
     from aiohttp import web
     from kvindex.api.app import create_app
+    from kvindex.api.site import ApiSite
     from kvindex.cli import process
     from kvindex.cli.dns_check import log_unresolved_hosts
 
@@ -276,7 +277,8 @@ async def _serve(service: IngestService, config: ServeConfig, loop_line: str) ->
         raise CliError(f"ingest failed to start: {exc}") from None
     process.freeze_startup_heap()
     try:
-        site = web.TCPSite(runner, config.api.host, config.api.port)
+        # The debug level's access log sees only what aiohttp answers: there, every request goes to aiohttp.
+        site = ApiSite(runner, config.api.host, config.api.port, fast_score=access_log is None)
         try:
             await site.start()
         except OSError as exc:

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from kvindex.api.app import create_app
 from kvindex.api.settings import ApiSettings
+from kvindex.api.site import ApiSite
 from kvindex.demo.policies import POLICY_NAMES, RoutingPolicy, make_policy
 from kvindex.demo.report import PolicyResult, ProgressLine
 from kvindex.demo.workload import DemoRequest
@@ -99,7 +100,7 @@ class _Fleet:
         await loop.run_in_executor(None, self.service.start)
         self.runner = web.AppRunner(create_app(self.service, ApiSettings(host="127.0.0.1", port=0)))
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = ApiSite(self.runner, "127.0.0.1", 0)
         await site.start()
         host, port = self.runner.addresses[0][:2]
         self.api_url = f"http://{host}:{port}"

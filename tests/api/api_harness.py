@@ -15,6 +15,8 @@ from aiohttp import web
 from engines import Engine
 from kvindex.api.app import create_app
 from kvindex.api.settings import ApiSettings
+from kvindex.api.site import ApiSite
+from kvindex.cli.process import event_loop_factory
 from kvindex.indexer.ingest import IngestService, IngestSettings
 from kvindex.indexer.model import ModelConfig
 from waiting import wait_for
@@ -87,8 +89,21 @@ def reference_scores(
 class ServerThread:
     """The real aiohttp app on 127.0.0.1:0, on its own event loop in a thread (module-scoped fixtures)."""
 
-    def __init__(self, service: IngestService, settings: ApiSettings | None = None) -> None:
+    def __init__(
+        self,
+        service: IngestService,
+        settings: ApiSettings | None = None,
+        *,
+        fast_score: bool = True,
+        event_loop: str = "asyncio",
+        **site_options: float,
+    ) -> None:
+        """`fast_score=False`: every request answered by aiohttp; `event_loop`: as `kvindex serve
+        --event-loop` takes it; `site_options`: ApiSite's timeouts."""
         self._service = service
+        self._fast_score = fast_score
+        self._loop_factory = event_loop_factory(event_loop)[0]
+        self._site_options = site_options
         self._settings = settings or ApiSettings(host="127.0.0.1", port=0)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,7 +127,8 @@ class ServerThread:
         self._thread.join(15.0)
 
     def _run(self) -> None:
-        asyncio.run(self._serve())
+        with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+            runner.run(self._serve())
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -120,7 +136,7 @@ class ServerThread:
         runner = web.AppRunner(create_app(self._service, self._settings), access_log=None)
         try:
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = ApiSite(runner, "127.0.0.1", 0, fast_score=self._fast_score, **self._site_options)
             await site.start()
             host, port = runner.addresses[0][:2]
             self.url = f"http://{host}:{port}"
