@@ -13,6 +13,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+/* SHA-256 through OpenSSL's low-level SHA256_Init/Update/Final where the library still has them (every
+ * OpenSSL 3 built with its deprecated APIs, as distributions ship it): EVP's provider dispatch costs about
+ * 90 ns a call, 186 against 97 ns for a 110-byte preimage on this box -- 40% of a block's hashing. Both
+ * run the same assembly. A libcrypto built without deprecated APIs gets the EVP path. */
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include <openssl/opensslconf.h>
+#if !defined(OPENSSL_NO_DEPRECATED_3_0)
+#define KVI_LOW_LEVEL_SHA256 1
+#include <openssl/sha.h>
+#endif
 #include <openssl/evp.h>
 #include <stdint.h>
 #include <string.h>
@@ -174,10 +184,15 @@ typedef struct {
 static int
 run_chain(const chain_job *job)
 {
+#ifdef KVI_LOW_LEVEL_SHA256
+    SHA256_CTX ctx;
+    int ok = 1;
+#else
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    int ok = ctx != NULL;
+#endif
     const unsigned char *parent = job->parent;
     size_t parent_size = job->parent_size;
-    int ok = ctx != NULL;
     Py_ssize_t b;
 
     for (b = 0; ok && b < job->num_blocks; b++) {
@@ -186,12 +201,18 @@ run_chain(const chain_job *job)
         size_t size = job->cbor
             ? cbor_preimage(job->preimage, parent, parent_size, block, job->block_size)
             : pickle_preimage(job->preimage, parent, parent_size, block, job->block_size);
+#ifdef KVI_LOW_LEVEL_SHA256
+        ok = SHA256_Init(&ctx) && SHA256_Update(&ctx, job->preimage, size) && SHA256_Final(digest, &ctx);
+#else
         ok = EVP_DigestInit_ex(ctx, sha256_md, NULL) && EVP_DigestUpdate(ctx, job->preimage, size)
             && EVP_DigestFinal_ex(ctx, digest, NULL);
+#endif
         parent = digest;
         parent_size = DIGEST_SIZE;
     }
+#ifndef KVI_LOW_LEVEL_SHA256
     EVP_MD_CTX_free(ctx);
+#endif
     return ok ? 0 : -1;
 }
 
