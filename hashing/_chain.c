@@ -649,12 +649,54 @@ preimage(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* untrack_atomic(objects): the cyclic collector stops tracking each tuple of the list `objects` whose items
+ * it does not track (bytes, ints, None, bools, tuples already untracked: earlier items count). It is what
+ * CPython's collector does to such a tuple at the first collection it survives; a memo entry survives,
+ * and a cold 8192-token prompt records 96 such tuples, so every ~7 prompts a young-generation collection
+ * scanned ~1,000 of them and their ~7,500 items (0.2 ms) before untracking them. */
+static PyObject *
+untrack_atomic(PyObject *module, PyObject *objects)
+{
+    Py_ssize_t i;
+    Py_ssize_t j;
+
+    (void)module;
+    if (!PyList_CheckExact(objects)) {
+        PyErr_SetString(PyExc_TypeError, "untrack_atomic() takes a list");
+        return NULL;
+    }
+    for (i = 0; i < PyList_GET_SIZE(objects); i++) {
+        PyObject *item = PyList_GET_ITEM(objects, i);
+        int atomic = 1;
+
+        if (!PyTuple_CheckExact(item) || !PyObject_GC_IsTracked(item)) {
+            continue;
+        }
+        for (j = 0; j < PyTuple_GET_SIZE(item); j++) {
+            PyObject *element = PyTuple_GET_ITEM(item, j);
+            if (PyObject_IS_GC(element) && PyObject_GC_IsTracked(element)) {
+                atomic = 0;
+                break;
+            }
+        }
+        if (atomic) {
+            PyObject_GC_UnTrack(item);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(untrack_atomic_doc,
+             "untrack_atomic(objects, /)\n--\n\n"
+             "Stop the cyclic GC tracking every tuple in the list that holds only untracked objects.");
+
 static PyMethodDef chain_methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"chain_packed", (PyCFunction)(void (*)(void))chain_packed, METH_FASTCALL, chain_packed_doc},
     {"pack_ids", pack_ids, METH_O, pack_ids_doc},
     {"segment_tags", (PyCFunction)(void (*)(void))segment_tags, METH_FASTCALL, segment_tags_doc},
     {"preimage", (PyCFunction)(void (*)(void))preimage, METH_FASTCALL, preimage_doc},
+    {"untrack_atomic", untrack_atomic, METH_O, untrack_atomic_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,6 +30,8 @@ class ChainCore(Protocol):
 
     def preimage(self, parent: bytes, tokens: Sequence[int], cbor: bool, /) -> bytes | None: ...
 
+    def untrack_atomic(self, objects: list[object], /) -> None: ...
+
 
 # The algorithms the compiled core serves (it hashes with SHA-256 only).
 COMPILED_ALGOS: Final = frozenset({"sha256", "sha256_cbor"})

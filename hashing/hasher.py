@@ -126,7 +126,7 @@ class BlockHasher:
         if not memo_size:
             return None
         if self._compiled is not None:
-            return DigestMemo(memo_size, self._compiled.segment_tags)
+            return DigestMemo(memo_size, self._compiled.segment_tags, self._compiled.untrack_atomic)
         return DigestMemo(memo_size)
 
     @property

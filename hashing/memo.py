@@ -45,11 +45,19 @@ class DigestMemo:
     and it cannot walk a chain.)
     """
 
-    def __init__(self, capacity_blocks: int, segment_tags: SegmentTagger | None = None) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        segment_tags: SegmentTagger | None = None,
+        untrack: Callable[[list[object]], None] | None = None,
+    ) -> None:
         # The tagger: None for xxh3-128 computed inline (the pure path, unchanged), or the compiled
         # core's (XXH64, every segment in one call). A memo keeps one for life: it only ever compares its
         # keys with keys it made itself, and a tag is never part of a result.
         self._segment_tags = segment_tags
+        # The compiled core's untrack_atomic, or None: the entries `record` makes hold only bytes, ints and
+        # None, and live on, so the cyclic GC need never scan them (see hashing/_chain.c).
+        self._untrack = untrack
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
@@ -214,6 +222,13 @@ class DigestMemo:
                 None if extras is None else extras[index],
             )
             block_entries.append((block_key, (digests[index], None)))
+        if self._untrack is not None:
+            created: list[object] = []
+            for seg_key, seg_value in seg_entries:
+                created += (seg_value[1], seg_value, seg_key)  # the digests tuple before its holder
+            for block_key, block_value in block_entries:
+                created += (block_key, block_value)
+            self._untrack(created)
         with self._lock:
             segments, blocks = self._segments, self._blocks
             for seg_key, seg_value in seg_entries:

@@ -3,6 +3,7 @@ vLLM uses: byte-identical preimages, identical chains, and the switches that cho
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -165,6 +166,42 @@ def test_segment_tags_are_xxh64(data: bytes, width: int, start: int) -> None:
         xxhash.xxh64_intdigest(data[o : o + width]) for o in range(start, start + count * width, width)
     ]
     assert core.segment_tags(data, start, width, count) == expected
+
+
+def test_untrack_atomic_untracks_only_tuples_of_untracked_items() -> None:
+    core = require_extension()
+    flat = tuple([b"digest", 7, None, True])
+    holds_a_list = tuple([b"run", [1, 2]])
+    inner = tuple([b"a", b"b"])
+    outer = tuple([inner, 3])
+    late_inner = tuple([b"c"])
+    early_outer = tuple([late_inner, None])
+    objects: list[object] = [flat, holds_a_list, inner, outer, early_outer, late_inner, [1], "text"]
+    assert all(gc.is_tracked(t) for t in (flat, holds_a_list, inner, outer, early_outer, late_inner))
+    core.untrack_atomic(objects)
+    assert not gc.is_tracked(flat)
+    assert gc.is_tracked(holds_a_list)  # a list can be part of a cycle
+    assert not gc.is_tracked(inner) and not gc.is_tracked(outer)  # inner came first
+    assert gc.is_tracked(early_outer) and not gc.is_tracked(late_inner)  # its item was still tracked
+    with pytest.raises(TypeError):
+        core.untrack_atomic((flat,))  # type: ignore[arg-type]
+
+
+def test_a_cold_prompt_leaves_no_tracked_objects_in_the_compiled_memo() -> None:
+    # What the memo keeps of a prompt holds bytes, ints and None only: nothing for the cyclic GC to scan
+    # (a cold 8192-token prompt used to leave 96 tracked tuples, scanned at the next young collection).
+    require_extension()
+    hasher = BlockHasher("sha256", block_size=16, memo_size=1 << 16)
+    assert hasher._compiled is not None
+    prompts = [[(p * 8192 + i) % 50_000 for i in range(8192)] for p in range(1, 4)]
+    hasher.event_hashes(prompts[0])
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    for prompt in prompts[1:]:
+        digests = hasher.event_hashes(prompt + [1, 2, 3] * 60)  # full segments and a ragged tail
+        assert len(digests) == (8192 + 180) // 16
+    del digests
+    assert len(gc.get_objects()) - tracked_before < 10
 
 
 def test_bad_arguments_raise() -> None:
