@@ -6,6 +6,7 @@ scoring rules, not from kvindex's scorer).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -84,6 +85,18 @@ def reference_scores(
             )
     out.sort(key=lambda s: (-s["score"], -s["matched_blocks"], s["pod"], s["dp_rank"]))
     return out
+
+
+class HttpAnswer:
+    """One HTTP answer as a test client read it."""
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
 
 
 class ServerThread:

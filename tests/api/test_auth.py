@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
+from api_harness import HttpAnswer as Answer
 from api_harness import ServerThread, raw_exchange, start_service, wait_until_ingested
 from engines import Engine
 from kvindex.api.settings import ApiKey, ApiSettings
@@ -38,16 +38,6 @@ def server() -> Iterator[ServerThread]:
         http.stop()
         service.stop()
         engine.close()
-
-
-class Answer:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 async def send(

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from api_harness import ServerThread, reference_scores, start_service, wait_until_ingested
+from api_harness import HttpAnswer, ServerThread, reference_scores, start_service, wait_until_ingested
 from engines import Engine
 from kvindex.api.settings import ApiKey, ApiSettings
 from kvindex.hashing import BlockHasher
@@ -90,18 +90,12 @@ def slow(fleet: Fleet) -> Iterator[ServerThread]:
     server.stop()
 
 
-class Answer:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
+class Answer(HttpAnswer):
+    """Headers with lower-case names."""
 
     @property
     def fast(self) -> bool:
         return self.headers.get("server") == "kvindex"
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
     def scores(self) -> list[dict[str, Any]]:
         """The answer's scores less each stream's health, which changes with time (the last event's age;
