@@ -289,6 +289,12 @@ async def _serve(service: IngestService, config: ServeConfig, loop_line: str) ->
         shown_host = f"[{host}]" if ":" in host else host
         print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
         _log_settings(service, config, loop_line)
+        if access_log is None:
+            logger.info(
+                "score fast path: on (plain POST /v1/score answered before aiohttp, its head parsed by httptools)"
+            )
+        else:
+            logger.info("score fast path: off (--log-level debug: aiohttp's access log sees every request)")
         log_unresolved_hosts(_dialled_hosts(config), logger)
         await stop.wait()
         logger.info("signal received, stopping")

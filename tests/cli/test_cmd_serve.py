@@ -192,18 +192,19 @@ def post_json(url: str, body: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("flags", "loop_line"),
+    ("flags", "loop_line", "fast_score"),
     [
-        ([], f"event loop: uvloop {importlib.metadata.version('uvloop')}"),
-        (["--event-loop", "asyncio"], "event loop: asyncio (--event-loop asyncio)"),
+        ([], f"event loop: uvloop {importlib.metadata.version('uvloop')}", True),
+        (["--event-loop", "asyncio"], "event loop: asyncio (--event-loop asyncio)", True),
+        (["--log-level", "debug"], f"event loop: uvloop {importlib.metadata.version('uvloop')}", False),
     ],
-    ids=["auto-uvloop", "asyncio"],
+    ids=["auto-uvloop", "asyncio", "debug-log-no-fast-path"],
 )
 def test_serve_answers_scores_on_the_event_loop_it_names(
-    engine: EventPublisher, flags: list[str], loop_line: str
+    engine: EventPublisher, flags: list[str], loop_line: str, fast_score: bool
 ) -> None:
-    """The event loop the HTTP API runs on is logged at start-up, and both answer the same score for what
-    an engine published, then stop cleanly."""
+    """The event loop the HTTP API runs on, and whether plain scores take the fast path, are logged at
+    start-up; every combination answers the same score for what an engine published, then stops cleanly."""
     pod = f"pod-a={engine.endpoint},replay={engine.replay_endpoint}"
     argv = [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--model", "m", "--pod", pod]
     argv += ["--hash-seed", "0", *flags]
@@ -228,9 +229,13 @@ def test_serve_answers_scores_on_the_event_loop_it_names(
         assert [(s["pod"], s["matched_blocks"], s["state"]) for s in by_hash["scores"]] == [  # type: ignore[attr-defined,index]
             ("pod-a", 1, "live")
         ]
+        request = urllib.request.Request(url + "/v1/score", data=json.dumps({"block_hashes": [1]}).encode())
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert (response.headers["Server"] == "kvindex") is fast_score  # who answered (api/site.py)
     finally:
         log = "".join(sigterm_and_drain(proc, lines))
     assert loop_line in log
+    assert f"score fast path: {'on' if fast_score else 'off'} (" in log
     assert "Traceback" not in log
 
 
