@@ -48,6 +48,7 @@ _RESPONSE_HEAD = (
     b"Server: kvindex\r\n"
     b"%s\r\n"
 )
+_REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
 
 
 class RequestHead:
@@ -160,7 +161,7 @@ class FastScore:
             self._date = formatdate(second, usegmt=True).encode("ascii")
         return _RESPONSE_HEAD % (
             status,
-            HTTPStatus(status).phrase.encode("ascii"),
+            _REASONS[status],
             length,
             self._date,
             b"" if keep_alive else b"Connection: close\r\n",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from functools import partial
 
 from aiohttp import web
 from kvindex.api.app import FAST_SCORE
@@ -49,18 +51,14 @@ class ApiSite(web.BaseSite):
         aiohttp_server = self._runner.server
         assert aiohttp_server is not None
         fast = self._fast
-        if fast is None:
-            self._server = await loop.create_server(
-                aiohttp_server, self._host, self._port, backlog=self._backlog
-            )
-            return
-        connections = self._connections
-
-        def connection() -> ScoreConnection:
-            return ScoreConnection(fast, aiohttp_server, connections)
-
-        self._server = await loop.create_server(connection, self._host, self._port, backlog=self._backlog)
-        self._sweeper = loop.call_later(self._sweep_interval_s, self._sweep)
+        factory: Callable[[], asyncio.BaseProtocol] = (
+            aiohttp_server
+            if fast is None
+            else partial(ScoreConnection, fast, aiohttp_server, self._connections)
+        )
+        self._server = await loop.create_server(factory, self._host, self._port, backlog=self._backlog)
+        if fast is not None:
+            self._sweeper = loop.call_later(self._sweep_interval_s, self._sweep)
 
     async def stop(self) -> None:
         if self._sweeper is not None:

@@ -268,7 +268,7 @@ def test_a_request_split_anywhere_gets_the_same_answer(fleet: Fleet, fast: Serve
             for cut in [*cuts, len(data)]:
                 connection.send(data[previous:cut])
                 previous = cut
-                time.sleep(0.0005 if pieces == "each byte" else 0.02)
+                time.sleep(0.0005 if pieces == "each byte" else 0.02)  # ok: pieces must arrive apart
             answer = connection.answer()
             assert answer.fast and answer.status == 200
             assert answer.scores() == fleet.expected(KEYS)
@@ -407,7 +407,7 @@ def test_a_client_that_does_not_read_its_answers_gets_them_all(fleet: Fleet, fas
     with RawConnection(fast.url) as connection:
         sender = threading.Thread(target=connection.send, args=(data,))
         sender.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # ok: unread answers pile up until the server stops reading
         answers = [connection.answer() for _ in range(num_requests)]
         sender.join(15)
     assert all(a.status == 200 and a.fast for a in answers)
@@ -450,7 +450,7 @@ def test_idle_fast_connections_are_closed(fleet: Fleet) -> None:
             assert idle.exchange(score(GOOD["block hashes"])).fast
             for _ in range(15):  # 1.5 s of requests 0.1 s apart: never idle for 0.5 s, so never closed
                 assert busy.exchange(score(GOOD["block hashes"])).fast
-                time.sleep(0.1)
+                time.sleep(0.1)  # ok: the pace that keeps `busy` under the idle timeout
             assert idle.closed_by_server(timeout_s=1.0)
         with RawConnection(server.url) as idle:
             assert idle.exchange(score(GOOD["block hashes"])).fast
