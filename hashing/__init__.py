@@ -10,7 +10,7 @@ from kvindex.hashing.algorithms import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, event
 from kvindex.hashing.errors import HashingError
 from kvindex.hashing.extra_keys import MMItem
 from kvindex.hashing.granularity import hybrid_block_hashes
-from kvindex.hashing.hasher import DEFAULT_MEMO_SIZE, BlockHasher, validate_token_ids
+from kvindex.hashing.hasher import DEFAULT_MEMO_SIZE, BlockHasher, HeldCheck, validate_token_ids
 
 __all__ = [
     "DEFAULT_MEMO_SIZE",
@@ -18,6 +18,7 @@ __all__ = [
     "HASH_ALGOS",
     "BlockHasher",
     "HashingError",
+    "HeldCheck",
     "MMItem",
     "event_hash",
     "hybrid_block_hashes",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -33,7 +33,7 @@ from kvindex.hashing.extra_keys import (
     per_block_keys,
     untag,
 )
-from kvindex.hashing.memo import DigestMemo, LowCheck
+from kvindex.hashing.memo import SEGMENT_BLOCKS, DigestMemo, LowCheck
 
 # Digests remembered per BlockHasher (~10 MB with their keys): 64 distinct 8k-token prompts, or far more
 # conversations that share a system prompt.
@@ -41,6 +41,16 @@ DEFAULT_MEMO_SIZE: Final = 32768
 # Bytes per token in the memo's packed keys.
 _PACKED_TYPECODE: Final = "I"
 _KEY_ITEMSIZE: Final = array(_PACKED_TYPECODE).itemsize
+# With `held`: blocks hashed between two questions, at least this many and an eighth of the chain so far
+# (so a long prompt held to its end asks ~log(blocks) times, and hashes at most ~1/8 past where its held run
+# ends), each stretch ending on a memo segment boundary. A question (a lock and a probe, ~1.5 us) costs
+# what hashing ~5 blocks does.
+MIN_HELD_STRETCH_BLOCKS: Final = 2 * SEGMENT_BLOCKS
+
+# Whether some pod holds the block with this event key (see BlockHasher.event_hashes).
+HeldCheck = Callable[[int], bool]
+# Appends blocks start..stop-1 to the chain (whose digests hold blocks 0..start-1).
+_RangeHasher = Callable[[int, int], None]
 
 _IntTuple = tuple[int, ...]
 _NonNegativeTuple = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
@@ -173,10 +183,18 @@ class BlockHasher:
         mm: Sequence[MMItem] | None = None,
         prompt_embeds_digests: Sequence[bytes] | None = None,
         lookahead: int = 0,
+        held: HeldCheck | None = None,
     ) -> list[int]:
-        """The same blocks in the form KV events carry: unsigned 64-bit ints (last 8 digest bytes)."""
+        """The same blocks in the form KV events carry: unsigned 64-bit ints (last 8 digest bytes).
+
+        `held(event_key)`, when given, is asked now and then (after the memo's known blocks, then after
+        every stretch of MIN_HELD_STRETCH_BLOCKS or an eighth of the chain so far) whether any pod holds a
+        block: hashing stops after the first block it says no to. The answer is then a prefix of the whole prompt's keys that ends in that block, so a
+        longest-prefix lookup stops where it would over the whole prompt: a prompt that leaves the
+        cached prefixes early costs the blocks up to there, not all of them.
+        """
         digests = self._chain(
-            token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead
+            token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead, held
         )
         return event_hashes_of(digests, self._algo.digest_size)
 
@@ -229,6 +247,7 @@ class BlockHasher:
         mm: Sequence[MMItem] | None,
         prompt_embeds_digests: Sequence[bytes] | None,
         lookahead: int,
+        held: HeldCheck | None = None,
     ) -> list[bytes]:
         request_extras = make_request_extras(
             lora_name=lora_name,
@@ -241,20 +260,29 @@ class BlockHasher:
         if type(token_ids) is array:
             # Packed ids (the score API's compiled reader): already exact ints in [0, 2**32).
             if token_ids.typecode == _PACKED_TYPECODE and self._memo is not None and request_extras.is_plain:
-                return self._chain_packed(self._memo, token_ids.tobytes(), token_ids)
+                return self._chain_packed(self._memo, token_ids.tobytes(), token_ids, held)
             token_ids = token_ids.tolist()
         if self._memo is not None and request_extras.is_plain and type(token_ids) in (list, tuple):
             digests = None
             if self._compiled is not None:
-                digests = self._chain_exact(self._compiled, self._memo, token_ids)  # type: ignore[arg-type]
+                digests = self._chain_exact(
+                    self._compiled,
+                    self._memo,
+                    token_ids,  # type: ignore[arg-type]
+                    held,
+                )
             if digests is None:
-                digests = self._chain_plain(self._memo, token_ids)  # type: ignore[arg-type]
+                digests = self._chain_plain(self._memo, token_ids, held)  # type: ignore[arg-type]
             if digests is not None:
                 return digests
-        return self._chain_validated(token_ids, request_extras)
+        return self._chain_validated(token_ids, request_extras, held)
 
     def _chain_exact(
-        self, core: compiled.ChainCore, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]
+        self,
+        core: compiled.ChainCore,
+        memo: DigestMemo,
+        token_ids: list[int] | tuple[int, ...],
+        held: HeldCheck | None = None,
     ) -> list[bytes] | None:
         """_chain_plain for the compiled core: its packer also proves every id an exact int, so neither
         the memo hits' low-id re-checks nor a validation pass over the rest are needed. None when an id
@@ -262,9 +290,11 @@ class BlockHasher:
         token_bytes = core.pack_ids(token_ids)
         if token_bytes is None:
             return None
-        return self._chain_packed(memo, token_bytes, token_ids)
+        return self._chain_packed(memo, token_bytes, token_ids, held)
 
-    def _chain_packed(self, memo: DigestMemo, token_bytes: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def _chain_packed(
+        self, memo: DigestMemo, token_bytes: bytes, token_ids: Sequence[int], held: HeldCheck | None = None
+    ) -> list[bytes]:
         """The memoised chain of plain blocks whose ids are known to be exact ints in [0, 2**32) and
         packed as `token_bytes` (array('I') bytes): no id needs checking, only the memo's misses hashing."""
         block_size = self._block_size
@@ -277,31 +307,62 @@ class BlockHasher:
         )
         first_new = len(digests)
         if first_new < num_blocks:
-            found = None
-            if self._compiled is not None:
-                # Straight from the packed bytes: a list of 4,096 ints to build and read back was a fifth
-                # of a half-new prompt's hashing.
-                found = self._compiled.chain_packed(
-                    digests[-1] if digests else self._root,
-                    token_bytes,
-                    first_new * block_size,
-                    block_size,
-                    num_blocks - first_new,
-                    self._algo.uses_cbor,
-                )
-            if found is not None:
-                digests.extend(found)
-            else:
-                rest = token_ids[first_new * block_size : num_blocks * block_size]
+
+            def hash_range(start: int, stop: int) -> None:
+                found = None
+                if self._compiled is not None:
+                    # Straight from the packed bytes: a list of 4,096 ints to build and read back was a
+                    # fifth of a half-new prompt's hashing.
+                    found = self._compiled.chain_packed(
+                        digests[-1] if digests else self._root,
+                        token_bytes,
+                        start * block_size,
+                        block_size,
+                        stop - start,
+                        self._algo.uses_cbor,
+                    )
+                if found is not None:
+                    digests.extend(found)
+                    return
+                rest = token_ids[start * block_size : stop * block_size]
                 if type(rest) is array:
                     rest = rest.tolist()
-                self._hash_blocks(rest, None, first_new, num_blocks, digests)
-            memo.record(
-                self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
-            )
+                self._hash_blocks(rest, None, start, stop, digests)
+
+            if self._hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
+                memo.record(
+                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+                )
         return digests
 
-    def _chain_plain(self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...]) -> list[bytes] | None:
+    def _hash_while_held(
+        self,
+        hash_range: _RangeHasher,
+        digests: list[bytes],
+        first_new: int,
+        num_blocks: int,
+        held: HeldCheck | None,
+    ) -> int:
+        """Hash blocks first_new.. on (all of them without `held`, else stretch by stretch until `held`
+        says no to a stretch's last block); returns how many blocks `digests` holds then."""
+        if held is None:
+            hash_range(first_new, num_blocks)
+            return num_blocks
+        done = first_new
+        if done and not held(event_hash(digests[-1])):
+            return done
+        while done < num_blocks:
+            stretch = max(MIN_HELD_STRETCH_BLOCKS, done // 8)
+            stop = min(num_blocks, -(-(done + stretch) // SEGMENT_BLOCKS) * SEGMENT_BLOCKS)
+            hash_range(done, stop)
+            done = stop
+            if done < num_blocks and not held(event_hash(digests[-1])):
+                break
+        return done
+
+    def _chain_plain(
+        self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...], held: HeldCheck | None = None
+    ) -> list[bytes] | None:
         """The memoised path for prompts without extra keys: one C pass packs every id (refusing
         non-ints, negatives and ids >= 2**32), and only the ids that are not memoised are validated
         exactly. None when the ids do not pack: the caller validates them all and says what is wrong."""
@@ -335,13 +396,20 @@ class BlockHasher:
         # One C pass: exact ints (bools, floats, strings refused); the pack already refused negatives.
         rest = _exact_ints(token_ids[first_new * block_size :])
         if first_new < num_blocks:
-            self._hash_blocks(rest, None, first_new, num_blocks, digests)
-            memo.record(
-                self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
-            )
+
+            def hash_range(start: int, stop: int) -> None:
+                at = (start - first_new) * block_size
+                self._hash_blocks(rest[at : at + (stop - start) * block_size], None, start, stop, digests)
+
+            if self._hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
+                memo.record(
+                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+                )
         return digests
 
-    def _chain_validated(self, token_ids: Sequence[int], request_extras: RequestExtras) -> list[bytes]:
+    def _chain_validated(
+        self, token_ids: Sequence[int], request_extras: RequestExtras, held: HeldCheck | None = None
+    ) -> list[bytes]:
         """Every id validated up front: prompts with extra keys, memo off, or ids that do not pack."""
         tokens, token_bytes = _prepare(token_ids)
         block_size = self._block_size
@@ -359,9 +427,14 @@ class BlockHasher:
             )
         first_new = len(digests)
         if first_new < num_blocks:
-            rest = tokens[first_new * block_size :]
-            self._hash_blocks(rest, extras, first_new, num_blocks, digests)
-            if memo is not None and token_bytes is not None:
+
+            def hash_range(start: int, stop: int) -> None:
+                self._hash_blocks(
+                    tokens[start * block_size : stop * block_size], extras, start, stop, digests
+                )
+
+            hashed_to = self._hash_while_held(hash_range, digests, first_new, num_blocks, held)
+            if memo is not None and token_bytes is not None and hashed_to > first_new:
                 memo.record(
                     self._root,
                     token_bytes,

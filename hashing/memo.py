@@ -197,7 +197,8 @@ class DigestMemo:
         first_unlooked = -(-first_new // seg) * seg
         view = memoryview(token_bytes)
         tag = xxhash.xxh3_128_intdigest
-        starts = dict.fromkeys(missed_segments)
+        # A chain hashed only part of the way (BlockHasher's `held`) may end before a missed segment does.
+        starts = dict.fromkeys(index for index in missed_segments if index + seg <= num_blocks)
         starts.update(dict.fromkeys(range(first_unlooked, full_end, seg)))
         seg_entries: list[tuple[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]]] = []
         for index in starts:

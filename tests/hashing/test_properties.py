@@ -7,19 +7,17 @@ rules in spec §4.4 (every MM item overlapping the block, offset relative to the
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import threading
 from typing import Any
 
 import cbor2
 import pytest
-import xxhash
 from hash_cores import EDGE_IDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError, MMItem, event_hash
 from kvindex.hashing.cbor_fast import array_head, encode_tokens
+from reference import mm_items, reference_chain, reference_extra_keys
 
 # Every test here runs with both hash cores: compiled and pure Python (tests/hashing/conftest.py).
 pytestmark = pytest.mark.usefixtures("hash_core")
@@ -30,60 +28,6 @@ token_lists = st.lists(token_id, max_size=120)
 algos = st.sampled_from(HASH_ALGOS)
 block_sizes = st.sampled_from([1, 2, 3, 16, 23, 24, 25])
 fast = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def reference_hash(algo: str, obj: Any) -> bytes:
-    data = cbor2.dumps(obj, canonical=True) if algo.endswith("_cbor") else pickle.dumps(obj, protocol=5)
-    return hashlib.sha256(data).digest() if algo.startswith("sha256") else xxhash.xxh3_128_digest(data)
-
-
-def reference_extra_keys(
-    start: int,
-    end: int,
-    lora: tuple[str, str] | None,
-    mm: list[tuple[str, int, int]],
-    salt: str | None,
-    digest: bytes | None,
-) -> tuple[Any, ...] | None:
-    keys: list[Any] = []
-    if lora is not None:
-        keys.append(("lora", *lora))
-    keys += [
-        ("mm", ident, offset - start)
-        for ident, offset, length in mm
-        if offset < end and offset + length > start
-    ]
-    if start == 0 and salt:
-        keys.append(("cache_salt", salt))
-    if digest is not None:
-        keys.append(("prompt_embeds", digest))
-    return tuple(keys) or None
-
-
-def reference_chain(
-    algo: str,
-    seed: str,
-    block_size: int,
-    tokens: list[int],
-    lora: tuple[str, str] | None = None,
-    mm: list[tuple[str, int, int]] | None = None,
-    salt: str | None = None,
-    digests: list[bytes] | None = None,
-    lookahead: int = 0,
-) -> list[bytes]:
-    root = reference_hash(algo, seed)
-    parent = None
-    hashes = []
-    for index in range((len(tokens) - lookahead) // block_size if len(tokens) >= lookahead else 0):
-        start, end = index * block_size, (index + 1) * block_size
-        extra = reference_extra_keys(
-            start, end + lookahead, lora, mm or [], salt, None if digests is None else digests[index]
-        )
-        if lookahead:
-            extra = (extra, *tokens[end : end + lookahead])
-        parent = reference_hash(algo, (parent or root, tuple(tokens[start:end]), extra))
-        hashes.append(parent)
-    return hashes
 
 
 @fast
@@ -107,18 +51,6 @@ def test_fast_cbor_token_encoding_is_cbor2s(tokens: list[int]) -> None:
     )
     for token in tokens:
         assert encode_tokens((token,)) == (cbor2.dumps(token, canonical=True),)
-
-
-@st.composite
-def mm_items(draw: st.DrawFn, length: int) -> list[tuple[str, int, int]]:
-    """Sorted, non-overlapping placeholders inside [0, length + 8)."""
-    items = []
-    position = draw(st.integers(0, 6))
-    while position < length + 8 and draw(st.booleans()):
-        size = draw(st.integers(1, 40))
-        items.append((draw(st.sampled_from(["img-a", "img-b", "lora:aud"])), position, size))
-        position += size + draw(st.integers(0, 20))
-    return items
 
 
 @fast
