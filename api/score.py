@@ -2,7 +2,8 @@
 
 `POST /v1/score` (CONTRACT.md). The request is validated before anything is hashed; the prompt is
 hashed with the model's own settings (block size, algo, seed, LoRA table), on the event loop for
-ordinary prompts and on one worker thread above `ApiSettings.hash_in_executor_min_tokens`.
+ordinary prompts and on one worker thread above `ApiSettings.hash_in_executor_min_tokens`. Against an
+in-process index, hashing stops soon after the first block no pod holds (prompt_holders).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -25,10 +27,12 @@ from kvindex.api.schemas import (
     validate_score_request,
 )
 from kvindex.api.settings import ApiSettings
-from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, MMItem
+from kvindex.hashing import DEFAULT_MEMO_SIZE, BlockHasher, HashingError, HeldCheck, MMItem
+from kvindex.indexer.index import HolderIds
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.registry import ModelRuntime
 from kvindex.indexer.status import IngestView
+from kvindex.indexer.store import Store
 
 # Always present in `by_tier` (0 when the pod holds none of the run there): routers index into them
 # blindly, as CONTRACT.md's example shows. Other tiers appear only with a non-zero run.
@@ -56,7 +60,15 @@ class PromptHashers:
         self._by_model: dict[str, BlockHasher] = {}
         self._memo_size = memo_size
 
-    def block_keys(self, config: ModelConfig, request: ScoreRequest, lora_path: str | None) -> list[int]:
+    def block_keys(
+        self,
+        config: ModelConfig,
+        request: ScoreRequest,
+        lora_path: str | None,
+        held: HeldCheck | None = None,
+    ) -> list[int]:
+        """The prompt's block keys (with `held`, possibly only up to a block no pod holds: see
+        BlockHasher.event_hashes)."""
         hasher = self._by_model.get(config.name)
         if hasher is None:
             hasher = BlockHasher(
@@ -77,10 +89,36 @@ class PromptHashers:
                 lora_path=lora_path,
                 cache_salt=request.cache_salt,
                 mm=mm,
+                held=held,
             )
         except HashingError as exc:
             # validate_score_request checks what the hasher refuses; this keeps a missed case a 400.
             raise RequestError("body", f"cannot hash this prompt: {exc}") from None
+
+
+def prompt_holders(
+    index: Store,
+    hash_prompt: Callable[[HeldCheck | None], list[int]],
+    num_blocks: int,
+    pods: list[str] | None,
+) -> list[HolderIds]:
+    """`index.lookup_ids` of a prompt's `num_blocks` block keys, as `hash_prompt(held)` gives them; the
+    hashing stops soon after a block no (selected) pod holds, so only the blocks up to there are hashed.
+
+    The answer is one lookup, as over the whole prompt: it stops at the first block no pod holds, which
+    the keys hashed reach (their last block was unheld when asked). Should that block be stored before
+    the lookup, with every block before it held, the prompt may match further: it is then hashed whole
+    and looked up again. For an in-process index (a question costs a lock and a probe, not a round trip).
+    """
+
+    def held(block_key: int) -> bool:
+        return bool(index.lookup_ids((block_key,), pods))
+
+    block_keys = hash_prompt(held)
+    holder_ids = index.lookup_ids(block_keys, pods)
+    if len(holder_ids) == len(block_keys) < num_blocks:
+        holder_ids = index.lookup_ids(hash_prompt(None), pods)
+    return holder_ids
 
 
 def resolve_model(service: IngestView, model_name: str | None) -> ModelRuntime:
@@ -139,17 +177,28 @@ class ScoreHandler:
         started = time.perf_counter()
         body = await request.read()
         score_request, runtime = self._parse(body)
-        block_keys = await self._block_keys(runtime.config, score_request)
+        loop = asyncio.get_running_loop()
         if runtime.index.blocking_io:
             # A remote store's round trip (or its timeout, when it is unreachable) must not hold up the
-            # event loop: health checks and other requests go on meanwhile.
-            loop = asyncio.get_running_loop()
+            # event loop: health checks and other requests go on meanwhile. One lookup of every block:
+            # asking it block by block where to stop hashing would cost a round trip each.
+            block_keys = await self._block_keys(runtime.config, score_request)
             answer = await loop.run_in_executor(
-                self._store_executor, self._answer, runtime, block_keys, score_request
+                self._store_executor, self._answer_keys, runtime, block_keys, score_request
             )
         else:
-            answer = self._answer(runtime, block_keys, score_request)
-        encoded = self._encode(started, runtime.config, block_keys, answer)
+            holder_ids = self._holders_now(runtime, score_request)
+            if holder_ids is None:
+                holder_ids = await loop.run_in_executor(
+                    self._executor,
+                    self._prompt_holders,
+                    self._worker_hashers,
+                    runtime,
+                    score_request,
+                    resolve_lora_path(runtime.config, score_request),
+                )
+            answer = self._answer(runtime, holder_ids, score_request)
+        encoded = self._encode(started, runtime.config, score_request, answer)
         return web.Response(body=encoded, content_type="application/json")
 
     def answer_now(self, body: bytes) -> bytes | None:
@@ -160,11 +209,11 @@ class ScoreHandler:
         score_request, runtime = self._parse(body)
         if runtime.index.blocking_io:
             return None
-        block_keys = self._block_keys_now(runtime.config, score_request)
-        if block_keys is None:
+        holder_ids = self._holders_now(runtime, score_request)
+        if holder_ids is None:
             return None
         return self._encode(
-            started, runtime.config, block_keys, self._answer(runtime, block_keys, score_request)
+            started, runtime.config, score_request, self._answer(runtime, holder_ids, score_request)
         )
 
     def _parse(self, body: bytes) -> tuple[ScoreRequest, ModelRuntime]:
@@ -176,24 +225,31 @@ class ScoreHandler:
         self,
         started: float,
         config: ModelConfig,
-        block_keys: list[int],
+        request: ScoreRequest,
         answer: tuple[bytes, int, list[str] | msgspec.UnsetType],
     ) -> bytes:
         scores, best, unknown_pods = answer
         response = EncodedScoreResponse(
             model=config.name,
             block_size=config.block_size,
-            num_blocks=len(block_keys),
+            num_blocks=_num_blocks(config, request),
             scores=msgspec.Raw(scores),
             unknown_pods=unknown_pods,
         )
         self._metrics.observe_score(started, best)
         return JSON_ENCODER.encode(response)
 
-    def _answer(
+    def _answer_keys(
         self, runtime: ModelRuntime, block_keys: list[int], request: ScoreRequest
     ) -> tuple[bytes, int, list[str] | msgspec.UnsetType]:
-        """The index's part of a score (any thread): the `scores` JSON, the best match, the unknown pods."""
+        """_answer of the lookup of `block_keys` (any thread)."""
+        return self._answer(runtime, runtime.index.lookup_ids(block_keys, request.pods), request)
+
+    def _answer(
+        self, runtime: ModelRuntime, holder_ids: list[HolderIds], request: ScoreRequest
+    ) -> tuple[bytes, int, list[str] | msgspec.UnsetType]:
+        """The answer from the index's lookup (any thread): the `scores` JSON, the best match, the unknown
+        pods."""
         config = runtime.config
         policy = AnswerPolicy(
             block_size=config.block_size,
@@ -205,7 +261,6 @@ class ScoreHandler:
             by_score=request.rank == "score",
             compact=request.answer == "compact",
         )
-        holder_ids = runtime.index.lookup_ids(block_keys, request.pods)
         scores, best = scores_json(
             runtime.index, holder_ids, self._service.pod_healths, policy, self._service.health_reader()
         )
@@ -251,3 +306,34 @@ class ScoreHandler:
         if len(request.token_ids) >= self._settings.hash_in_executor_min_tokens:
             return None
         return self._loop_hashers.block_keys(config, request, resolve_lora_path(config, request))
+
+    def _holders_now(self, runtime: ModelRuntime, request: ScoreRequest) -> list[HolderIds] | None:
+        """The in-process index's lookup of the request's blocks, hashed on this thread; None for a
+        prompt the worker thread hashes (_prompt_holders there)."""
+        if request.block_hashes is not None:
+            return runtime.index.lookup_ids(request.block_hashes, request.pods)
+        assert request.token_ids is not None
+        if len(request.token_ids) >= self._settings.hash_in_executor_min_tokens:
+            return None
+        return self._prompt_holders(
+            self._loop_hashers, runtime, request, resolve_lora_path(runtime.config, request)
+        )
+
+    @staticmethod
+    def _prompt_holders(
+        hashers: PromptHashers, runtime: ModelRuntime, request: ScoreRequest, lora_path: str | None
+    ) -> list[HolderIds]:
+        config = runtime.config
+
+        def hash_prompt(held: HeldCheck | None) -> list[int]:
+            return hashers.block_keys(config, request, lora_path, held)
+
+        return prompt_holders(runtime.index, hash_prompt, _num_blocks(config, request), request.pods)
+
+
+def _num_blocks(config: ModelConfig, request: ScoreRequest) -> int:
+    """The prompt's full blocks (the answer's `num_blocks`, whatever part of them was hashed)."""
+    if request.block_hashes is not None:
+        return len(request.block_hashes)
+    assert request.token_ids is not None
+    return len(request.token_ids) // config.block_size
