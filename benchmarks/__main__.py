@@ -310,6 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "== hashing: blocks/s of 8192-token prompts, kvindex BlockHasher vs vLLM's formula (same process)"
         )
         print(format_table(["algo", "workload", "vLLM blocks/s", "kvindex blocks/s", "speed-up"], rows))
+        from benchmarks import hashing
+
+        bounded = hashing.bounded_rows(args.quick)
+        report["hashing"]["bounded"] = bounded
+        print()
+        print(
+            "== bounded hashing: sha256 8192-token prompts against an index holding each one's first k blocks;"
+            " hash + lookup, whole prompt vs stopped after a block nobody holds"
+        )
+        print(format_table(hashing.BOUNDED_HEADERS, bounded))
 
     if "store" in args.only:
         from benchmarks import store

@@ -8,6 +8,9 @@ Workloads (block size 16, token ids < 150001):
         tokens), ranks mapped to ids by a fixed random permutation so small ids are not favoured;
   hot   conversations sharing a 4096-token system prompt, each growing by 256-token turns up to 8192
         tokens and re-scored every turn (what a router sees), interleaved round-robin.
+A second table, bounded hashing: cold 8192-token prompts against an in-memory index holding each one's
+first k blocks, hash + lookup per prompt, the whole prompt hashed against hashing stopped soon after the
+first block no pod holds (api/score.prompt_holders), answers checked equal.
 `python -m benchmarks.hashing [--quick]`.
 """
 
@@ -25,7 +28,10 @@ from typing import Any
 
 import cbor2
 import xxhash
-from kvindex.hashing import HASH_ALGOS, BlockHasher
+from kvindex.api.score import prompt_holders
+from kvindex.hashing import HASH_ALGOS, BlockHasher, HeldCheck
+from kvindex.indexer.events import BlocksStored, PodRef
+from kvindex.indexer.index import KVIndex
 
 from benchmarks._table import format_table
 
@@ -118,6 +124,52 @@ def compare(
     return base_rate, ours_rate
 
 
+BOUNDED_HEADERS = ["held blocks of 512", "whole µs/prompt", "stopped µs/prompt", "stopped/whole"]
+
+
+def bounded_rows(quick: bool) -> list[list[object]]:
+    """Per k held blocks of each 512-block prompt: CPU µs per prompt to hash (fresh memo) and look it
+    up, whole against stopped early; best of alternating repeats."""
+    rng = random.Random(20261203)
+    prompts = cold_prompts(rng, 2 if quick else 12)
+    num_blocks = PROMPT_TOKENS // BLOCK_SIZE
+    rows: list[list[object]] = []
+    for held_blocks in (0, 16, 256, num_blocks):
+        index = KVIndex()
+        for number, prompt in enumerate(prompts):
+            keys = BlockHasher("sha256", BLOCK_SIZE, SEED).event_hashes(prompt)
+            if held_blocks:
+                stored = BlocksStored(tuple(keys[:held_blocks]), None, (), BLOCK_SIZE)
+                index.apply(PodRef(f"pod-{number}"), [stored])
+
+        def whole(prompts: list[list[int]] = prompts, index: KVIndex = index) -> list[Any]:
+            hasher = BlockHasher("sha256", BLOCK_SIZE, SEED)
+            return [index.lookup_ids(hasher.event_hashes(prompt)) for prompt in prompts]
+
+        def stopped(prompts: list[list[int]] = prompts, index: KVIndex = index) -> list[Any]:
+            hasher = BlockHasher("sha256", BLOCK_SIZE, SEED)
+            answers = []
+            for prompt in prompts:
+
+                def hash_prompt(held: HeldCheck | None, prompt: list[int] = prompt) -> list[int]:
+                    return hasher.event_hashes(prompt, held=held)
+
+                answers.append(prompt_holders(index, hash_prompt, num_blocks, None))
+            return answers
+
+        if whole() != stopped():
+            raise SystemExit(f"{held_blocks} held blocks: the stopped answers differ from the whole prompt's")
+        best = {whole: float("inf"), stopped: float("inf")}
+        for _ in range(1 if quick else 7):
+            for run in best:
+                began = time.process_time()
+                run()
+                best[run] = min(best[run], time.process_time() - began)
+        whole_us, stopped_us = (best[run] / len(prompts) * 1e6 for run in (whole, stopped))
+        rows.append([held_blocks, round(whole_us), round(stopped_us), f"{stopped_us / whole_us:.2f}x"])
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hashing", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny run (smoke test), numbers meaningless")
@@ -165,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"block size {BLOCK_SIZE}, {PROMPT_TOKENS}-token prompts{' (--quick: meaningless numbers)' if args.quick else ''}"
     )
     print(format_table(headers, rows))
+    print()
+    print("bounded hashing: sha256, 8192-token prompts, an index holding each one's first k blocks")
+    print(format_table(BOUNDED_HEADERS, bounded_rows(args.quick)))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ _KEY_ITEMSIZE: Final = array(_PACKED_TYPECODE).itemsize
 # ends), each stretch ending on a memo segment boundary. A question (a lock and a probe, ~1.5 us) costs
 # what hashing ~5 blocks does.
 MIN_HELD_STRETCH_BLOCKS: Final = 2 * SEGMENT_BLOCKS
+HELD_STRETCH_SHARE: Final = 8
 
 # Whether some pod holds the block with this event key (see BlockHasher.event_hashes).
 HeldCheck = Callable[[int], bool]
@@ -352,7 +353,7 @@ class BlockHasher:
         if done and not held(event_hash(digests[-1])):
             return done
         while done < num_blocks:
-            stretch = max(MIN_HELD_STRETCH_BLOCKS, done // 8)
+            stretch = max(MIN_HELD_STRETCH_BLOCKS, done // HELD_STRETCH_SHARE)
             stop = min(num_blocks, -(-(done + stretch) // SEGMENT_BLOCKS) * SEGMENT_BLOCKS)
             hash_range(done, stop)
             done = stop
