@@ -106,9 +106,10 @@ def prompt_holders(
     hashing stops soon after a block no pod holds, so only the blocks up to there are hashed.
 
     The answer is one lookup, as over the whole prompt: it stops at the latest at the first block no pod
-    holds, which the keys hashed reach (their last block was unheld when asked). Should that block be stored before
-    the lookup, with every block before it held, the prompt may match further: it is then hashed whole
-    and looked up again. For an in-process index (a question costs a lock and a probe, not a round trip).
+    holds, which the keys hashed reach (their last block was unheld when asked). Should that block be
+    stored before the lookup, with every block before it held, the prompt may match further: it is then
+    hashed whole and looked up again. For an in-process index (a question costs a lock and a probe, not
+    a round trip).
     """
 
     def held(block_key: int) -> bool:

@@ -43,8 +43,8 @@ _PACKED_TYPECODE: Final = "I"
 _KEY_ITEMSIZE: Final = array(_PACKED_TYPECODE).itemsize
 # With `held`: blocks hashed between two questions, at least this many and an eighth of the chain so far
 # (so a long prompt held to its end asks ~log(blocks) times, and hashes at most ~1/8 past where its held run
-# ends), each stretch ending on a memo segment boundary. A question (a lock and a probe, ~1.5 us) costs
-# what hashing ~5 blocks does.
+# ends), each stretch ending on a memo segment boundary. A stretch costs ~2 us besides its blocks (a
+# question, a lock and a probe; a call into the hash core), what hashing ~12 blocks does.
 MIN_HELD_STRETCH_BLOCKS: Final = 2 * SEGMENT_BLOCKS
 HELD_STRETCH_SHARE: Final = 8
 
@@ -190,9 +190,10 @@ class BlockHasher:
 
         `held(event_key)`, when given, is asked now and then (after the memo's known blocks, then after
         every stretch of MIN_HELD_STRETCH_BLOCKS or an eighth of the chain so far) whether any pod holds a
-        block: hashing stops after the first block it says no to. The answer is then a prefix of the whole prompt's keys that ends in that block, so a
-        longest-prefix lookup stops where it would over the whole prompt: a prompt that leaves the
-        cached prefixes early costs the blocks up to there, not all of them.
+        block: hashing stops after the first block it says no to. The answer is then a prefix of the
+        whole prompt's keys that ends in that block, so a longest-prefix lookup stops where it would over
+        the whole prompt: a prompt that leaves the cached prefixes early costs the blocks up to there,
+        not all of them.
         """
         digests = self._chain(
             token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead, held
@@ -330,36 +331,11 @@ class BlockHasher:
                     rest = rest.tolist()
                 self._hash_blocks(rest, None, start, stop, digests)
 
-            if self._hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
+            if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
                     self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
                 )
         return digests
-
-    def _hash_while_held(
-        self,
-        hash_range: _RangeHasher,
-        digests: list[bytes],
-        first_new: int,
-        num_blocks: int,
-        held: HeldCheck | None,
-    ) -> int:
-        """Hash blocks first_new.. on (all of them without `held`, else stretch by stretch until `held`
-        says no to a stretch's last block); returns how many blocks `digests` holds then."""
-        if held is None:
-            hash_range(first_new, num_blocks)
-            return num_blocks
-        done = first_new
-        if done and not held(event_hash(digests[-1])):
-            return done
-        while done < num_blocks:
-            stretch = max(MIN_HELD_STRETCH_BLOCKS, done // HELD_STRETCH_SHARE)
-            stop = min(num_blocks, -(-(done + stretch) // SEGMENT_BLOCKS) * SEGMENT_BLOCKS)
-            hash_range(done, stop)
-            done = stop
-            if done < num_blocks and not held(event_hash(digests[-1])):
-                break
-        return done
 
     def _chain_plain(
         self, memo: DigestMemo, token_ids: list[int] | tuple[int, ...], held: HeldCheck | None = None
@@ -402,7 +378,7 @@ class BlockHasher:
                 at = (start - first_new) * block_size
                 self._hash_blocks(rest[at : at + (stop - start) * block_size], None, start, stop, digests)
 
-            if self._hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
+            if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
                     self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
                 )
@@ -434,7 +410,7 @@ class BlockHasher:
                     tokens[start * block_size : stop * block_size], extras, start, stop, digests
                 )
 
-            hashed_to = self._hash_while_held(hash_range, digests, first_new, num_blocks, held)
+            hashed_to = _hash_while_held(hash_range, digests, first_new, num_blocks, held)
             if memo is not None and token_bytes is not None and hashed_to > first_new:
                 memo.record(
                     self._root,
@@ -541,6 +517,27 @@ class BlockHasher:
             parent = sha256(preimage).digest() if sha256 is not None else digest(preimage)
             append(parent)
             offset += block_size
+
+
+def _hash_while_held(
+    hash_range: _RangeHasher, digests: list[bytes], first_new: int, num_blocks: int, held: HeldCheck | None
+) -> int:
+    """Hash blocks first_new.. on (all of them without `held`, else stretch by stretch until `held` says
+    no to a stretch's last block); returns how many blocks `digests` holds then."""
+    if held is None:
+        hash_range(first_new, num_blocks)
+        return num_blocks
+    done = first_new
+    if done and not held(event_hash(digests[-1])):
+        return done
+    while done < num_blocks:
+        stretch = max(MIN_HELD_STRETCH_BLOCKS, done // HELD_STRETCH_SHARE)
+        stop = min(num_blocks, -(-(done + stretch) // SEGMENT_BLOCKS) * SEGMENT_BLOCKS)
+        hash_range(done, stop)
+        done = stop
+        if done < num_blocks and not held(event_hash(digests[-1])):
+            break
+    return done
 
 
 __all__ = ["DEFAULT_MEMO_SIZE", "BlockHasher", "event_hash", "validate_token_ids"]
