@@ -220,6 +220,15 @@ class RequestMetrics:
             buckets=MATCHED_BLOCK_BUCKETS,
             registry=registry,
         )
+        self.prompt_blocks = Counter(
+            "kvindex_score_prompt_blocks",
+            "Full blocks of token-id score prompts: hashed=true if hashed (or known to the hash memo), "
+            "false if left unhashed because an earlier block is held by no pod.",
+            labelnames=["hashed"],
+            registry=registry,
+        )
+        self._blocks_hashed = self.prompt_blocks.labels("true")
+        self._blocks_unhashed = self.prompt_blocks.labels("false")
         self.requests = Counter(
             "kvindex_http_requests",
             "HTTP requests by route and status code.",
@@ -230,6 +239,13 @@ class RequestMetrics:
     def observe_score(self, started: float, best_matched_blocks: int) -> None:
         self.score_latency.observe(time.perf_counter() - started)
         self.matched_blocks.observe(best_matched_blocks)
+
+    def observe_prompt_blocks(self, hashed: int, unhashed: int) -> None:
+        """One token prompt's full blocks: those hashed (or known to the memo), those left unhashed."""
+        if hashed:
+            self._blocks_hashed.inc(hashed)
+        if unhashed:
+            self._blocks_unhashed.inc(unhashed)
 
 
 class MetricsScraper:

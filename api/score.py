@@ -101,9 +101,10 @@ def prompt_holders(
     hash_prompt: Callable[[HeldCheck | None], list[int]],
     num_blocks: int,
     pods: list[str] | None,
-) -> list[HolderIds]:
-    """`index.lookup_ids` of a prompt's `num_blocks` block keys, as `hash_prompt(held)` gives them; the
-    hashing stops soon after a block no pod holds, so only the blocks up to there are hashed.
+) -> tuple[list[HolderIds], int]:
+    """`index.lookup_ids` of a prompt's `num_blocks` block keys, as `hash_prompt(held)` gives them, and how
+    many leading blocks that took (hashed, or known to the memo): hashing stops soon after a block no pod
+    holds, so only the blocks up to there are hashed.
 
     The answer is one lookup, as over the whole prompt: it stops at the latest at the first block no pod
     holds, which the keys hashed reach (their last block was unheld when asked). Should that block be
@@ -120,8 +121,9 @@ def prompt_holders(
     block_keys = hash_prompt(held)
     holder_ids = index.lookup_ids(block_keys, pods)
     if len(holder_ids) == len(block_keys) < num_blocks:
-        holder_ids = index.lookup_ids(hash_prompt(None), pods)
-    return holder_ids
+        block_keys = hash_prompt(None)
+        holder_ids = index.lookup_ids(block_keys, pods)
+    return holder_ids, len(block_keys)
 
 
 def resolve_model(service: IngestView, model_name: str | None) -> ModelRuntime:
@@ -186,6 +188,8 @@ class ScoreHandler:
             # event loop: health checks and other requests go on meanwhile. One lookup of every block:
             # asking it block by block where to stop hashing would cost a round trip each.
             block_keys = await self._block_keys(runtime.config, score_request)
+            if score_request.token_ids is not None:
+                self._metrics.observe_prompt_blocks(len(block_keys), 0)
             answer = await loop.run_in_executor(
                 self._store_executor, self._answer_keys, runtime, block_keys, score_request
             )
@@ -322,16 +326,19 @@ class ScoreHandler:
             self._loop_hashers, runtime, request, resolve_lora_path(runtime.config, request)
         )
 
-    @staticmethod
     def _prompt_holders(
-        hashers: PromptHashers, runtime: ModelRuntime, request: ScoreRequest, lora_path: str | None
+        self, hashers: PromptHashers, runtime: ModelRuntime, request: ScoreRequest, lora_path: str | None
     ) -> list[HolderIds]:
+        """prompt_holders of a token prompt (any thread), its blocks counted in the metrics."""
         config = runtime.config
 
         def hash_prompt(held: HeldCheck | None) -> list[int]:
             return hashers.block_keys(config, request, lora_path, held)
 
-        return prompt_holders(runtime.index, hash_prompt, _num_blocks(config, request), request.pods)
+        num_blocks = _num_blocks(config, request)
+        holder_ids, hashed_blocks = prompt_holders(runtime.index, hash_prompt, num_blocks, request.pods)
+        self._metrics.observe_prompt_blocks(hashed_blocks, num_blocks - hashed_blocks)
+        return holder_ids
 
 
 def _num_blocks(config: ModelConfig, request: ScoreRequest) -> int:

@@ -154,7 +154,7 @@ def bounded_rows(quick: bool) -> list[list[object]]:
                 def hash_prompt(held: HeldCheck | None, prompt: list[int] = prompt) -> list[int]:
                     return hasher.event_hashes(prompt, held=held)
 
-                answers.append(prompt_holders(index, hash_prompt, num_blocks, None))
+                answers.append(prompt_holders(index, hash_prompt, num_blocks, None)[0])
             return answers
 
         if whole() != stopped():

@@ -20,11 +20,14 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 from engines import Engine
+from kvindex.hashing.hasher import MIN_HELD_STRETCH_BLOCKS
+from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
 
 from benchmarks.service import KvindexService, engine_index_of
@@ -157,10 +160,40 @@ def s_id(service: KvindexService) -> str:
     return f"replica on port {service.port}"
 
 
+def score_unheld_prompt(port: int) -> tuple[float, float]:
+    """Score a 100-block token prompt nobody holds; the blocks it hashed and left unhashed (/metrics)."""
+    before = prompt_blocks_hashed(port)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(
+            "POST", "/v1/score", body=json.dumps({"model": "m", "token_ids": list(range(1600))})
+        )
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+    after = prompt_blocks_hashed(port)
+    return after.get("true", 0) - before.get("true", 0), after.get("false", 0) - before.get("false", 0)
+
+
+def prompt_blocks_hashed(port: int) -> dict[str, float]:
+    """kvindex_score_prompt_blocks_total by its `hashed` label."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["hashed"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvindex_score_prompt_blocks_total"
+    }
+
+
 def test_two_replicas_own_each_pod_once_and_both_answer_exactly(
     fleet: Fleet, replicas: list[KvindexService]
 ) -> None:
     await_exact(replicas, fleet, "exact scores from both replicas")
+    # A prompt nobody holds: with a shared store every one of its 100 blocks is hashed (asking the store
+    # where to stop would cost a round trip a question); an in-memory index would stop after 32.
+    assert score_unheld_prompt(replicas[0].port) == (100, 0)
     wait_for(
         lambda: (
             set(owners(replicas[0]).values()) <= {"r1", "r2"} and None not in owners(replicas[0]).values()
@@ -336,6 +369,11 @@ def test_in_memory_replicas_each_consume_every_pod_and_agree(fleet: Fleet) -> No
         for prompt in fleet.prompts:
             assert scores_of(services[0].port, prompt) == scores_of(services[1].port, prompt)
         assert all(pod.get("owner") is None for pod in services[0].pods())
+        # The in-memory index is asked where to stop: one stretch hashed, the rest left.
+        assert score_unheld_prompt(services[0].port) == (
+            MIN_HELD_STRETCH_BLOCKS,
+            100 - MIN_HELD_STRETCH_BLOCKS,
+        )
     finally:
         for service in services:
             service.stop()
