@@ -309,18 +309,21 @@ class ScoreHandler:
         """The request's block keys, hashed on this thread; None for a prompt the worker thread hashes."""
         if request.block_hashes is not None:
             return request.block_hashes
-        assert request.token_ids is not None
-        if len(request.token_ids) >= self._settings.hash_in_executor_min_tokens:
+        if self._for_hashing_thread(request):
             return None
         return self._loop_hashers.block_keys(config, request, resolve_lora_path(config, request))
+
+    def _for_hashing_thread(self, request: ScoreRequest) -> bool:
+        """A token prompt long enough to be hashed on the worker thread, not the event loop."""
+        assert request.token_ids is not None
+        return len(request.token_ids) >= self._settings.hash_in_executor_min_tokens
 
     def _holders_now(self, runtime: ModelRuntime, request: ScoreRequest) -> list[HolderIds] | None:
         """The in-process index's lookup of the request's blocks, hashed on this thread; None for a
         prompt the worker thread hashes (_prompt_holders there)."""
         if request.block_hashes is not None:
             return runtime.index.lookup_ids(request.block_hashes, request.pods)
-        assert request.token_ids is not None
-        if len(request.token_ids) >= self._settings.hash_in_executor_min_tokens:
+        if self._for_hashing_thread(request):
             return None
         return self._prompt_holders(
             self._loop_hashers, runtime, request, resolve_lora_path(runtime.config, request)

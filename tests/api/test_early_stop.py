@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from kvindex.indexer.events import BlocksStored, PodRef
 from kvindex.indexer.index import KVIndex
 from kvindex.indexer.model import ModelConfig
 from kvindex.indexer.scorer import DEFAULT_TIER_WEIGHTS
-from prometheus_client.parser import text_string_to_metric_families
+from prompt_metrics import prompt_block_counts
 from test_score_api import post_json
 
 BLOCK_SIZE = 16
@@ -170,23 +169,11 @@ def test_a_block_stored_between_the_question_and_the_lookup_that_leaves_a_hole_i
     assert 10 < hashed_blocks < len(KEYS)
 
 
-def prompt_block_counts(server: ServerThread) -> dict[str, float]:
-    """kvindex_score_prompt_blocks_total by its `hashed` label, from GET /metrics."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {
-        sample.labels["hashed"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "kvindex_score_prompt_blocks_total"
-    }
-
-
 def test_prompt_blocks_are_counted_hashed_or_not(server: ServerThread) -> None:
-    before = prompt_block_counts(server)
+    before = prompt_block_counts(server.url)
     # FORK: 1,000 blocks, held to block 39 (pod-long): hashed past 39, far from all of them.
     assert asyncio.run(post_json(server.url + "/v1/score", {"model": "m", "token_ids": FORK}))[0] == 200
-    middle = prompt_block_counts(server)
+    middle = prompt_block_counts(server.url)
     hashed = middle.get("true", 0) - before.get("true", 0)
     unhashed = middle.get("false", 0) - before.get("false", 0)
     assert hashed + unhashed == len(FORK) // BLOCK_SIZE
@@ -195,6 +182,6 @@ def test_prompt_blocks_are_counted_hashed_or_not(server: ServerThread) -> None:
     head = {"model": "m", "token_ids": PROMPT[: 20 * BLOCK_SIZE]}
     assert asyncio.run(post_json(server.url + "/v1/score", head))[0] == 200
     assert asyncio.run(post_json(server.url + "/v1/score", {"model": "m", "block_hashes": KEYS}))[0] == 200
-    after = prompt_block_counts(server)
+    after = prompt_block_counts(server.url)
     assert after.get("true", 0) - middle.get("true", 0) == 20
     assert after.get("false", 0) == middle.get("false", 0)

@@ -20,14 +20,13 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 from engines import Engine
 from kvindex.hashing.hasher import MIN_HELD_STRETCH_BLOCKS
-from prometheus_client.parser import text_string_to_metric_families
+from prompt_metrics import prompt_block_counts
 from waiting import wait_for
 
 from benchmarks.service import KvindexService, engine_index_of
@@ -162,7 +161,7 @@ def s_id(service: KvindexService) -> str:
 
 def score_unheld_prompt(port: int) -> tuple[float, float]:
     """Score a 100-block token prompt nobody holds; the blocks it hashed and left unhashed (/metrics)."""
-    before = prompt_blocks_hashed(port)
+    before = prompt_block_counts(f"http://127.0.0.1:{port}")
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         connection.request(
@@ -171,20 +170,8 @@ def score_unheld_prompt(port: int) -> tuple[float, float]:
         assert connection.getresponse().status == 200
     finally:
         connection.close()
-    after = prompt_blocks_hashed(port)
+    after = prompt_block_counts(f"http://127.0.0.1:{port}")
     return after.get("true", 0) - before.get("true", 0), after.get("false", 0) - before.get("false", 0)
-
-
-def prompt_blocks_hashed(port: int) -> dict[str, float]:
-    """kvindex_score_prompt_blocks_total by its `hashed` label."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        sample.labels["hashed"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "kvindex_score_prompt_blocks_total"
-    }
 
 
 def test_two_replicas_own_each_pod_once_and_both_answer_exactly(
