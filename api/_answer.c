@@ -41,7 +41,7 @@ typedef struct {
 } Row;
 
 static PyObject *str_pod_id, *str_dp_rank, *str_state, *str_age, *str_disconnected, *str_live;
-static PyObject *str_last_live_at, *str_connect_mode, *str_connected, *str_hash_mismatch, *str_owned;
+static PyObject *str_last_event_at, *str_connect_mode, *str_connected, *str_hash_mismatch, *str_owned;
 static PyObject *str_tracker, *str_joined, *str_resyncing;
 
 /* -- struct fields ----------------------------------------------------------------------------------
@@ -80,17 +80,17 @@ field_get(Field *field, PyObject *obj)
 
 typedef struct {
     Field pod_id, dp_rank, state, age, disconnected;
-    Field last_live_at, connect_mode, connected, hash_mismatch, owned, tracker, joined, resyncing;
+    Field last_event_at, connect_mode, connected, hash_mismatch, owned, tracker, joined, resyncing;
 } Fields;
 
 static void
 fields_init(Fields *fields)
 {
     Field *all[] = {&fields->pod_id, &fields->dp_rank, &fields->state, &fields->age, &fields->disconnected,
-                    &fields->last_live_at, &fields->connect_mode, &fields->connected, &fields->hash_mismatch,
+                    &fields->last_event_at, &fields->connect_mode, &fields->connected, &fields->hash_mismatch,
                     &fields->owned, &fields->tracker, &fields->joined, &fields->resyncing};
     PyObject *names[] = {str_pod_id, str_dp_rank, str_state, str_age, str_disconnected,
-                         str_last_live_at, str_connect_mode, str_connected, str_hash_mismatch,
+                         str_last_event_at, str_connect_mode, str_connected, str_hash_mismatch,
                          str_owned, str_tracker, str_joined, str_resyncing};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         all[i]->name = names[i];
@@ -749,7 +749,7 @@ field_flag(Field *field, PyObject *obj)
 static int
 read_live(Fields *fields, const Reader *reader, PyObject *stream, double *age)
 {
-    PyObject *value = field_get(&fields->last_live_at, stream);
+    PyObject *value = field_get(&fields->last_event_at, stream);
     if (value == NULL) {
         PyErr_Clear();
         return 0;
@@ -1134,7 +1134,7 @@ PyInit__answer(void)
     str_age = PyUnicode_InternFromString("last_event_age_s");
     str_disconnected = PyUnicode_InternFromString("disconnected_for_s");
     str_live = PyUnicode_InternFromString("live");
-    str_last_live_at = PyUnicode_InternFromString("last_live_at");
+    str_last_event_at = PyUnicode_InternFromString("last_event_at");
     str_connect_mode = PyUnicode_InternFromString("connect_mode");
     str_connected = PyUnicode_InternFromString("connected");
     str_hash_mismatch = PyUnicode_InternFromString("hash_mismatch");
@@ -1143,7 +1143,7 @@ PyInit__answer(void)
     str_joined = PyUnicode_InternFromString("joined");
     str_resyncing = PyUnicode_InternFromString("resyncing");
     if (!str_pod_id || !str_dp_rank || !str_state || !str_age || !str_disconnected || !str_live ||
-        !str_last_live_at || !str_connect_mode || !str_connected || !str_hash_mismatch || !str_owned ||
+        !str_last_event_at || !str_connect_mode || !str_connected || !str_hash_mismatch || !str_owned ||
         !str_tracker || !str_joined || !str_resyncing) {
         return NULL;
     }

@@ -78,7 +78,7 @@ def _likely_cause(stream: Stream, state: str, now: float, settings: IngestSettin
         where = stream.endpoint or "the bound listen endpoint"
         return f"nothing connected at {where}: engine down or restarting, or a wrong endpoint"
     if state == STATE_SILENT:
-        heard = stream.last_live_at if stream.last_live_at is not None else stream.created_at
+        heard = stream.last_event_at if stream.last_event_at is not None else stream.created_at
         return (
             f"connected, but no events for {now - heard:.0f} s: an idle engine, or KV events / prefix caching "
             "off in the engine"
@@ -353,24 +353,24 @@ class IngestService:
             if stream is None:
                 append(None)
                 continue
-            last_live_at = stream.last_live_at
+            last_event_at = stream.last_event_at
             tracker = stream.tracker
             if (
-                last_live_at is not None
-                and now - last_live_at <= silent_after_s
+                last_event_at is not None
+                and now - last_event_at <= silent_after_s
                 and (stream.connected if stream.connect_mode else listen_up)
                 and stream.joined
                 and not tracker.resyncing
                 and not stream.hash_mismatch
                 and (stream.owned or not unowned_matter)
             ):
-                append(PodHealth(STATE_LIVE, age_ms(now, last_live_at), None))
+                append(PodHealth(STATE_LIVE, age_ms(now, last_event_at), None))
                 continue
             state = state_of(stream, now)
             append(
                 PodHealth(
                     state,
-                    None if last_live_at is None else age_ms(now, last_live_at),
+                    None if last_event_at is None else age_ms(now, last_event_at),
                     now - stream.disconnected_at if state == STATE_DISCONNECTED else None,
                 )
             )
@@ -415,7 +415,7 @@ class IngestService:
             endpoint=stream.endpoint,
             state=self._state_of(stream, now),
             last_seq=stream.indexed_seq,
-            last_event_age_s=None if stream.last_live_at is None else age_ms(now, stream.last_live_at),
+            last_event_age_s=None if stream.last_event_at is None else age_ms(now, stream.last_event_at),
             events_total=stream.events_total,
             gaps_total=tracker.num_gaps,
             replays_total=stream.replays_total,
@@ -439,7 +439,7 @@ class IngestService:
             return STATE_HASH_MISMATCH
         if stream.tracker.resyncing:
             return STATE_RESYNCING
-        last_heard = stream.last_live_at if stream.last_live_at is not None else stream.created_at
+        last_heard = stream.last_event_at if stream.last_event_at is not None else stream.created_at
         if now - last_heard > self.settings.silent_after_s:
             return STATE_SILENT
         return STATE_LIVE

@@ -65,7 +65,7 @@ class Stream:
     # Slots, the score path's fields first: a score answer reads ~200 streams' state, each a few cache
     # lines away when the fields sat in a dict.
     __slots__ = (
-        "last_live_at",
+        "last_event_at",
         "tracker",
         "connect_mode",
         "connected",
@@ -129,7 +129,8 @@ class Stream:
         self.connected = False
         self.ever_connected = False
         self.created_at = time.monotonic()
-        self.last_live_at: float | None = None
+        # When it last brought events, live or in a replay (None: never): its age, and silent after.
+        self.last_event_at: float | None = None
         self.connected_at: float | None = None
         # Since when the stream's link has been down (its creation until it first connects).
         self.disconnected_at: float = self.created_at
@@ -170,7 +171,7 @@ class Stream:
 
     def last_activity_at(self) -> float | None:
         """The newest of its last live message and its last connection (None: neither yet)."""
-        live, connected = self.last_live_at, self.connected_at
+        live, connected = self.last_event_at, self.connected_at
         if live is None or connected is None:
             return connected if live is None else live
         return max(live, connected)

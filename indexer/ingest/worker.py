@@ -166,7 +166,7 @@ class StreamWorker:
             stream = self._bind_stream(pod_id, item.model, decoded, item.source_id)
             if stream.model != item.model:
                 self._switch_model(stream, item.model, acc)
-        stream.last_live_at = time.monotonic()
+        stream.last_event_at = time.monotonic()
         if not stream.owned:
             return  # another replica ingests this pod (or it rejoins once the store is back)
         actions = stream.tracker.on_live(item.seq, decoded, _digest(item.payload), len(item.payload))
@@ -362,6 +362,10 @@ class StreamWorker:
             if result.complete
             else []
         )
+        if replayed:
+            # Events received now, though PUB did not bring them (a join, a reconnect, a lost last
+            # message): the pod's age says how fresh our view of it is, and this brought it up to date.
+            stream.last_event_at = time.monotonic()
         self._perform(stream, stream.tracker.on_replay(replayed, result.complete), acc)
         if stream.snapshot_check_due:
             self._check_snapshot(stream, acc)

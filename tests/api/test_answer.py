@@ -372,7 +372,7 @@ def test_health_read_from_the_streams_is_what_pod_healths_says(
         stream.tracker.resyncing = bool(fields["resyncing"])
         stream.hash_mismatch = bool(fields["hash_mismatch"])
         heard = fields["heard_s_ago"]
-        stream.last_live_at = None if heard is None else now - float(heard)  # type: ignore[arg-type]
+        stream.last_event_at = None if heard is None else now - float(heard)  # type: ignore[arg-type]
         store(index, ref, PROMPT[:run])
     holder_ids = index.lookup_ids(PROMPT)
     reader = service.health_reader()
@@ -398,7 +398,7 @@ def test_the_streams_a_replica_does_not_own_are_left_to_the_service(service: Ing
     for ref in READER_PODS:
         stream = service._streams.get(ref)
         assert stream is not None
-        stream.connected, stream.joined, stream.last_live_at = True, True, time.monotonic()
+        stream.connected, stream.joined, stream.last_event_at = True, True, time.monotonic()
         stream.tracker.resyncing = stream.hash_mismatch = False
         stream.owned = ref != READER_PODS[0]
         store(index, ref, PROMPT[:4])

@@ -125,3 +125,33 @@ def test_a_dead_replay_socket_holds_back_no_other_pod(engines: list[Engine]) -> 
         service.stop()
         dead.close(linger=0)
         router_ctx.destroy(linger=0)
+
+
+def test_events_that_only_a_replay_brought_give_the_pod_an_event_age(engines: list[Engine]) -> None:
+    """kvindex's SUB dials a PUB that never sends; the engine's batches reach it only from the ring. A pod
+    whose blocks are indexed has had events: its age is a number (it was null, and a router could not
+    tell this live pod from one never heard)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    mute = ctx.socket(zmq.PUB)
+    mute.setsockopt(zmq.LINGER, 0)
+    mute_port = mute.bind_to_random_port("tcp://127.0.0.1")
+    engine = Engine("pod-a")
+    engines.append(engine)
+    for _ in range(3):
+        engine.store_prompt()
+    engine.flush()
+    pod = PodConfig("pod-a", f"tcp://127.0.0.1:{mute_port}", "m", replay_endpoint=engine.replay_endpoint)
+    service = IngestService([MODEL], [pod], settings=QUICK)
+    service.start()
+    try:
+        index = service.model("m").index  # type: ignore[union-attr]
+        wait_for(lambda: index_matches(index, [engine]), what="the ring's batches applied")
+        wait_for(lambda: status_of(service, engine).state == "live", what="live")
+        age = status_of(service, engine).last_event_age_s
+        assert age is not None and 0.0 <= age < QUICK.silent_after_s
+        health = service.pod_health("pod-a", 0)
+        assert health is not None and health.last_event_age_s is not None
+    finally:
+        service.stop()
+        mute.close(linger=0)
+        ctx.destroy(linger=0)
