@@ -49,7 +49,7 @@ class PodView(msgspec.Struct, frozen=True):
 def status_detail(row: dict[str, object]) -> str:
     """The /v1/pods fields that tell a failure's story, on one line."""
     age = row.get("last_event_age_s")
-    heard = f"last live {age:.1f}s ago" if isinstance(age, int | float) else "never heard live"
+    heard = f"last events {age:.1f}s ago" if isinstance(age, int | float) else "no events yet"
     return (
         f"last_seq {row.get('last_seq')}, events {row.get('events_total')}, gaps {row.get('gaps_total')}, "
         f"replays {row.get('replays_total')}, restarts {row.get('restarts_total')}, {heard}"

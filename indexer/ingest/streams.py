@@ -170,11 +170,11 @@ class Stream:
         self.joined = False
 
     def last_activity_at(self) -> float | None:
-        """The newest of its last live message and its last connection (None: neither yet)."""
-        live, connected = self.last_event_at, self.connected_at
-        if live is None or connected is None:
-            return connected if live is None else live
-        return max(live, connected)
+        """The newest of its last events (live or replayed) and its last connection (None: neither yet)."""
+        events, connected = self.last_event_at, self.connected_at
+        if events is None or connected is None:
+            return connected if events is None else events
+        return max(events, connected)
 
     def new_tracker(self) -> SequenceTracker[TrackedBatch]:
         """A fresh sequence tracker for this stream (at creation, and when its past is let go)."""
