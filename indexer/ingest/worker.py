@@ -362,11 +362,14 @@ class StreamWorker:
             if result.complete
             else []
         )
-        if replayed:
+        actions = stream.tracker.on_replay(replayed, result.complete)
+        if any(isinstance(action, Apply) for action in actions):
             # Events received now, though PUB did not bring them (a join, a reconnect, a lost last
             # message): the pod's age says how fresh our view of it is, and this brought it up to date.
+            # Not a replay that only repeats what was applied: a probe's answer always repeats the last
+            # batch, and stamping that re-probed every quiet pod forever and kept a hung one from silent.
             stream.last_event_at = time.monotonic()
-        self._perform(stream, stream.tracker.on_replay(replayed, result.complete), acc)
+        self._perform(stream, actions, acc)
         if stream.snapshot_check_due:
             self._check_snapshot(stream, acc)
 

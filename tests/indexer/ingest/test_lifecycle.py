@@ -155,3 +155,28 @@ def test_events_that_only_a_replay_brought_give_the_pod_an_event_age(engines: li
         service.stop()
         mute.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_a_quiet_engine_is_probed_once_and_ages_into_silent(engines: list[Engine]) -> None:
+    """An engine publishes once, then says nothing. The quiet probe finds nothing new: the pod's event age
+    keeps growing until it reads silent. (A probe's answer always repeats the last applied batch; when
+    that repeat stamped the age, every quiet pod was probed again each quiet period, forever, and its
+    age never passed the quiet period, so a hung engine never read silent.)"""
+    engine = Engine("pod-a")
+    engines.append(engine)
+    settings = IngestSettings(quiet_probe_after_s=0.2, silent_after_s=1.0, replay_timeout_s=0.5)
+    pod = PodConfig("pod-a", engine.endpoint, "m", replay_endpoint=engine.replay_endpoint)
+    service = IngestService([MODEL], [pod], settings=settings)
+    service.start()
+    try:
+        index = service.model("m").index  # type: ignore[union-attr]
+        engine.store_prompt()
+        engine.flush()
+        wait_for(lambda: index_matches(index, [engine]), what="the batch applied")
+        wait_for(lambda: status_of(service, engine).state == "silent", what="the quiet pod to read silent")
+        status = status_of(service, engine)
+        assert status.last_event_age_s is not None and status.last_event_age_s >= settings.silent_after_s
+        # The join, the connection's check and one quiet probe; a probe per quiet period would be 5 more.
+        assert status.replays_total <= 4, status
+    finally:
+        service.stop()
