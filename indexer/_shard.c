@@ -794,11 +794,26 @@ Shard_apply_many(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- the read path ---- */
 
+/* The id object of `entry` (new reference): the one inside the index's single-holder answer `(entry,)`
+ * when there is one, so every tuple of every shard holds the same object for an entry and an answer's
+ * reader compares holders by identity, not by value. */
+static PyObject *
+canonical_entry(uint32_t entry, PyObject *single_ids)
+{
+    if ((Py_ssize_t)entry < PyList_GET_SIZE(single_ids)) {
+        PyObject *single = PyList_GET_ITEM(single_ids, entry);
+        if (PyTuple_CheckExact(single) && PyTuple_GET_SIZE(single) == 1) {
+            return Py_NewRef(PyTuple_GET_ITEM(single, 0));
+        }
+    }
+    return entry_object(entry);
+}
+
 /* The lookup answer for a multi holder: its cached tuple, else `last` if it has the same ids in the same
  * order (the blocks of a shared prefix then share one tuple, as shard.py's interning makes them), else a
  * new one. Borrowed. */
 static PyObject *
-multi_ids(Multi *multi, PyObject *last)
+multi_ids(Multi *multi, PyObject *last, PyObject *single_ids)
 {
     if (multi->ids != NULL) {
         return multi->ids;
@@ -821,7 +836,7 @@ multi_ids(Multi *multi, PyObject *last)
         return NULL;
     }
     for (uint32_t i = 0; i < multi->len; i++) {
-        PyObject *id = entry_object(multi->items[i].entry);
+        PyObject *id = canonical_entry(multi->items[i].entry, single_ids);
         if (id == NULL) {
             Py_DECREF(ids);
             return NULL;
@@ -869,7 +884,7 @@ ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
         }
         return PyList_GET_ITEM(single_ids, entry);
     }
-    PyObject *ids = multi_ids(MULTI(holder), *last);
+    PyObject *ids = multi_ids(MULTI(holder), *last, single_ids);
     if (ids != NULL) {
         *last = ids;
     }
