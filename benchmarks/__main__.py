@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks._process import run_main
 from benchmarks._table import format_table
-from benchmarks.compare import SubjectResult, build, run_pair
+from benchmarks.compare import FLOOR, SubjectResult, build, run_pair
 from benchmarks.dynamo import available
 from benchmarks.workload import WorkloadSpec
 
@@ -82,7 +82,7 @@ def ingest_table(results: dict[str, SubjectResult]) -> str:
 
 
 def score_table(results: dict[str, SubjectResult]) -> str:
-    ours, theirs = _get(results, "kvindex"), _get(results, "Dynamo")
+    ours, theirs, floor = _get(results, "kvindex"), _get(results, "Dynamo"), _get(results, FLOOR)
     rows: list[list[object]] = []
     labels = {
         "tokens": "8192 token ids",
@@ -109,12 +109,17 @@ def score_table(results: dict[str, SubjectResult]) -> str:
                 ]
                 p99s.append(lat.percentile_ms(0.99))
             cells.append(fmt_ratio(ratio(p99s[0], p99s[1])))
+            floor_lat = floor.idle.get(kind) if floor and phase == "idle" else None
+            floor_p99 = floor_lat.percentile_ms(0.99) if floor_lat else None
+            cells += [fmt(floor_lat.percentile_ms(0.5) if floor_lat else None), fmt(floor_p99)]
+            cells.append(fmt_ratio(ratio(floor_p99, p99s[1])))
             rows.append(cells)
     headers = [
         "query", "phase",
         "kvindex n", "kvindex p50 ms", "kvindex p99 ms", "kvindex correct",
         "Dynamo n", "Dynamo p50 ms", "Dynamo p99 ms", "Dynamo correct",
         "p99 kvindex/Dynamo (lower better)",
+        "floor p50 ms", "floor p99 ms", "p99 floor/Dynamo",
     ]  # fmt: skip
     return format_table(headers, rows)
 
@@ -220,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dynamo": dynamo_reason if dynamo_ok else None,
     }
     summary: dict[str, tuple[float | None, float | None]] = {}  # target -> (kvindex figure, Dynamo figure)
+    floor_p99: dict[str, float | None] = {}  # score target -> the floor's p99 ms, same run
 
     if {"ingest", "score", "memory"} & set(args.only):
         if args.quick:
@@ -264,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "answers tokens per worker and rank) except in the full-answer row"
             )
             print(score_table(results))
+            print(
+                "floor = benchmarks/floor.py, a server answering a canned answer without reading the request, "
+                "timed in turn with both: what the client, loopback and this box cost on their own. A p99 "
+                "ratio below the floor's cannot be measured here."
+            )
             for phase, kind in (("idle", "tokens"), ("idle", "hashes"), ("during", "tokens")):
                 lat_ours = getattr(ours, phase).get(kind) if ours else None
                 lat_theirs = getattr(theirs, phase).get(kind) if theirs else None
@@ -271,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lat_ours.percentile_ms(0.99) if lat_ours else None,
                     lat_theirs.percentile_ms(0.99) if lat_theirs else None,
                 )
+            floor = _get(results, FLOOR)
+            for kind in ("tokens", "hashes"):
+                lat_floor = floor.idle.get(kind) if floor else None
+                floor_p99[f"score_idle_{kind}"] = lat_floor.percentile_ms(0.99) if lat_floor else None
         if "memory" in args.only:
             rows = memory_rows(results, f"{feed.num_blocks:,}")
             if args.big:
@@ -423,6 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"== summary: issue-14 goals (ratio = kvindex / baseline, same run){' --quick: numbers meaningless' if args.quick else ''}"
     )
     print(format_table(["target", "kvindex", "Dynamo", "ratio", "needed", "status"], summary_rows))
+    floor_notes = [
+        f"{label} {fmt(floor_value)} ms = {fmt_ratio(ratio(floor_value, summary.get(key, (None, None))[1]))}"
+        for key, label in (("score_idle_tokens", "8192 token ids"), ("score_idle_hashes", "512 hashes"))
+        if (floor_value := floor_p99.get(key)) is not None
+    ]
+    if floor_notes:
+        print(f"measurement floor, idle p99 (ratio to Dynamo): {'; '.join(floor_notes)}")
     print(f"total {time.monotonic() - began:.0f}s, load average {os.getloadavg()[0]:.2f} at end")
     report["summary"] = summary_rows
     args.json.parent.mkdir(parents=True, exist_ok=True)

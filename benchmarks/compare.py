@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from benchmarks.dynamo import DynamoIndexer, dynamo_local_hashes
+from benchmarks.floor import FloorServer
 from benchmarks.service import (
     JsonClient,
     KvindexService,
@@ -31,6 +32,7 @@ from benchmarks.service import (
 from benchmarks.workload import ScoreQuery, WorkloadSpec, build_payloads, build_workload, encode_engine
 
 POLL_S = 0.05  # same completion-poll interval for both services
+FLOOR = "floor"  # the results' name of the FloorServer's idle latencies (it ingests nothing)
 
 
 @dataclass(frozen=True)
@@ -490,14 +492,23 @@ def run_subject(
 
 
 def time_queries_paired(
-    subjects: Sequence[Subject], feed: Feed, requests: Sequence[dict[str, list[tuple[str, bytes]]]]
+    subjects: Sequence[Subject],
+    feed: Feed,
+    requests: Sequence[dict[str, list[tuple[str, bytes]]]],
+    floor_port: int | None = None,
 ) -> list[dict[str, Latencies]]:
     """Idle latency of several services, request by request in turn (the first to ask swaps every
     query), each answer checked: a stall of this shared box lands on whichever request it meets, so
-    over a phase it meets both services alike instead of the one that happened to run then."""
+    over a phase it meets both services alike instead of the one that happened to run then.
+
+    `floor_port`: a FloorServer (benchmarks/floor.py) taken in turn too, sent the first service's
+    requests, its answers not checked; its latencies come last."""
     if not subjects:  # every service failed before its queries
         return []
     clients = [JsonClient(subject.port) for subject in subjects]
+    if floor_port is not None:
+        clients.append(JsonClient(floor_port))
+        requests = [*requests, requests[0]]
     results = [{kind: Latencies() for kind in made} for made in requests]
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as in time_queries_during
@@ -505,15 +516,16 @@ def time_queries_paired(
         for client, made in zip(clients, requests, strict=True):
             for path, body in next(iter(made.values()))[:3]:  # untimed warm-up
                 client.request("POST", path, body)
-        order = list(range(len(subjects)))
+        order = list(range(len(clients)))
         for index, query in enumerate(feed.queries):
             for kind in requests[0]:
                 for at in order if index % 2 == 0 else reversed(order):
                     elapsed, response = _timed_post(clients[at], *requests[at][kind][index])
                     latencies = results[at][kind]
                     latencies.samples_s.append(elapsed)
-                    latencies.checked += 1
-                    latencies.correct += subjects[at].blocks_per_engine(response) == query.expected_blocks
+                    if at < len(subjects):
+                        latencies.checked += 1
+                        latencies.correct += subjects[at].blocks_per_engine(response) == query.expected_blocks
     finally:
         for client in clients:
             client.close()
@@ -546,9 +558,13 @@ def run_round(
             except (TimeoutError, RuntimeError, OSError) as exc:
                 _failed(results[kind], exc, log)
         requests = {kind: _requests(subject, feed, query_kinds) for kind, (subject, _) in alive.items()}
+        subjects = [subject for subject, _ in alive.values()]
+        floor = _start_floor(stack, subjects, list(requests.values()), log)
         paired = time_queries_paired(
-            [subject for subject, _ in alive.values()], feed, list(requests.values())
+            subjects, feed, list(requests.values()), None if floor is None else floor.port
         )
+        if floor is not None:
+            results[FLOOR] = SubjectResult(FLOOR, feed.num_blocks, idle=paired.pop())
         for kind, idle in zip(alive, paired, strict=True):
             results[kind].idle = idle
         for kind, (subject, publishers) in alive.items() if measure_during else ():
@@ -559,6 +575,29 @@ def run_round(
             except (TimeoutError, RuntimeError, OSError) as exc:
                 _failed(results[kind], exc, log)
     return results
+
+
+def _start_floor(
+    stack: ExitStack,
+    subjects: Sequence[Subject],
+    requests: Sequence[dict[str, list[tuple[str, bytes]]]],
+    log: Callable[[str], None],
+) -> FloorServer | None:
+    """A FloorServer answering the first service's answer to its first request (None without a service or
+    a query, or if it cannot start: the floor is a reference, never a reason to lose a round)."""
+    first_kind = next(iter(requests[0].values()), []) if subjects else []
+    if not first_kind:
+        return None
+    path, body = first_kind[0]
+    client = JsonClient(subjects[0].port)
+    try:
+        answer = json.dumps(client.request("POST", path, body), separators=(",", ":")).encode()
+        return stack.enter_context(FloorServer(answer))
+    except (TimeoutError, RuntimeError, OSError) as exc:
+        log(f"  the floor server did not start: {type(exc).__name__}: {exc}"[:300])
+        return None
+    finally:
+        client.close()
 
 
 def _failed(result: SubjectResult, exc: BaseException, log: Callable[[str], None]) -> None:
@@ -579,7 +618,7 @@ def run_pair(
     """kvindex and Dynamo (if available) on identical payload bytes, `rounds` times (run_round; the
     subjects swap places each round, so neither always ingests first) and merged (see merge_rounds)."""
     kinds = ("kvindex", "Dynamo") if dynamo_ok else ("kvindex",)
-    runs: dict[str, list[SubjectResult]] = {kind: [] for kind in kinds}
+    runs: dict[str, list[SubjectResult]] = {kind: [] for kind in kinds}  # and FLOOR once it answered
     for round_no in range(rounds):
         order = kinds if round_no % 2 == 0 else tuple(reversed(kinds))
         suffix = f" (round {round_no + 1} of {rounds})" if rounds > 1 else ""
@@ -594,7 +633,7 @@ def run_pair(
             ingest_timeout_s=ingest_timeout_s,
             log=log,
         ).items():
-            runs[kind].append(result)
+            runs.setdefault(kind, []).append(result)
     return {kind: merge_rounds(kind_runs) for kind, kind_runs in runs.items()}
 
 
@@ -602,7 +641,7 @@ def merge_rounds(runs: Sequence[SubjectResult]) -> SubjectResult:
     """One subject's rounds as one result: the round of median ingest time gives the ingest, publish and
     memory figures, and the latency samples of every round are pooled (so a p99 rests on all of them). A
     failed round is left out; if every round failed, the last failure is the result."""
-    ok = [run for run in runs if run.error is None and run.ingest_s is not None]
+    ok = [run for run in runs if run.error is None and (run.ingest_s is not None or run.name == FLOOR)]
     if not ok:
         return runs[-1]
     median = sorted(ok, key=lambda run: run.ingest_s or 0.0)[(len(ok) - 1) // 2]

@@ -5,6 +5,7 @@ the workload's brute-force overlaps."""
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from benchmarks.compare import (
     start_subject,
     time_queries_paired,
 )
+from benchmarks.floor import FloorServer
 from benchmarks.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,14 +48,56 @@ def test_two_services_are_timed_in_turn_and_every_answer_is_checked() -> None:
             assert all(sample > 0 for sample in latencies[kind].samples_s)
 
 
+def test_the_floor_is_timed_in_turn_with_the_services_and_left_unchecked() -> None:
+    feed = build(
+        WorkloadSpec(num_engines=3, blocks_per_engine=64, num_prefixes=2, num_queries=5), lambda _: None
+    )
+    with ExitStack() as stack:
+        publishers = stack.enter_context(Publishers(feed.payloads))
+        subject = stack.enter_context(start_subject("kvindex", publishers, feed))
+        ingest_first_round(
+            subject, publishers, SubjectResult("kvindex", feed.num_blocks), ingest_timeout_s=60
+        )
+        floor = stack.enter_context(FloorServer(b"[]"))
+        requests = [_requests(subject, feed, ("tokens", "hashes"))]
+        service, floor_latencies = time_queries_paired([subject], feed, requests, floor.port)
+    for kind in ("tokens", "hashes"):
+        assert service[kind].checked == service[kind].correct == 5
+        assert len(floor_latencies[kind].samples_s) == 5 and floor_latencies[kind].checked == 0
+
+
+def test_a_round_reports_the_floor_beside_the_services() -> None:
+    feed = build(
+        WorkloadSpec(num_engines=2, blocks_per_engine=64, num_prefixes=2, num_queries=4), lambda _: None
+    )
+    results = run_round(
+        ("kvindex",), feed, measure_during=False, query_kinds=("tokens",), ingest_timeout_s=60, log=print
+    )
+    assert set(results) == {"kvindex", "floor"}
+    assert results["kvindex"].idle["tokens"].correct == 4
+    floor = results["floor"]
+    assert len(floor.idle["tokens"].samples_s) == 4 and floor.error is None and floor.ingest_s is None
+
+
+def test_a_feed_without_queries_times_no_floor() -> None:
+    feed = build(WorkloadSpec(num_engines=2, blocks_per_engine=64, num_queries=0), lambda _: None, lean=True)
+    results = run_round(
+        ("kvindex",), feed, measure_during=False, query_kinds=("tokens",), ingest_timeout_s=60, log=print
+    )
+    assert set(results) == {"kvindex"} and results["kvindex"].error is None
+
+
 def test_a_service_that_fails_to_ingest_is_reported_and_the_round_still_ends() -> None:
     feed = build(
         WorkloadSpec(num_engines=2, blocks_per_engine=64, num_prefixes=2, num_queries=4), lambda _: None
     )
+    # One event more than the publishers send: the service can never catch up, however fast it is (with
+    # the true count a tiny feed could be ingested before the first check, and nothing timed out).
+    unreachable = replace(feed, num_events=feed.num_events + 1)
     logged: list[str] = []
     results = run_round(
         ("kvindex",),
-        feed,
+        unreachable,
         measure_during=True,
         query_kinds=("tokens",),
         ingest_timeout_s=0.0,  # no service ingests anything in no time

@@ -1,0 +1,136 @@
+"""The measurement floor of the score rows: a server that does no work, timed in turn with the services.
+
+It frames each HTTP/1.1 request as any server must (the head up to its blank line, then Content-Length bytes
+of body) and writes one canned answer, without reading the body: kvindex's own answer to the workload's
+first prompt, so the bytes on the wire are the size of a real answer. On kvindex's event loop (uvloop when
+installed), in its own process, asked by the same keep-alive client in the same alternating order as kvindex
+and Dynamo, it shows what the client, loopback and the shared two cores cost on their own. A score p99 near
+the floor's is the instrument's, not the service's: on this box the floor's 512-hash p99 was already ~0.45x
+Dynamo's (issue 14's goal for that row is <= 0.5x).
+
+`python -m benchmarks.floor ANSWER_FILE` prints `listening on PORT` and serves until killed; FloorServer runs
+it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import cast
+
+from kvindex.cli.process import event_loop_factory
+
+_HEAD_END = b"\r\n\r\n"
+_LENGTH = b"content-length:"
+
+
+class _CannedAnswer(asyncio.Protocol):
+    """Answers every complete request on the connection with `response`."""
+
+    def __init__(self, response: bytes) -> None:
+        self._response = response
+        self._buffer = b""
+        self._transport: asyncio.WriteTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.WriteTransport, transport)  # uvloop's is not asyncio's class
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while (end := self._buffer.find(_HEAD_END)) >= 0:
+            head = self._buffer[:end].lower()
+            at = head.find(_LENGTH)
+            length = int(head[at + len(_LENGTH) :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+            request_end = end + len(_HEAD_END) + length
+            if len(self._buffer) < request_end:
+                return
+            self._buffer = self._buffer[request_end:]
+            assert self._transport is not None
+            self._transport.write(self._response)
+
+
+def response_bytes(answer: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nServer: floor\r\n\r\n"
+        % len(answer)
+    ) + answer
+
+
+async def _serve(answer: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    response = response_bytes(answer)
+    server = await loop.create_server(lambda: _CannedAnswer(response), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    print(f"listening on {port}", flush=True)
+    await server.serve_forever()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m benchmarks.floor ANSWER_FILE")
+    answer = Path(argv[0]).read_bytes()
+    factory, _ = event_loop_factory("auto")
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(answer))
+
+
+class FloorServer:
+    """`python -m benchmarks.floor` in a subprocess answering `answer`; `port` once entered."""
+
+    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
+        self._answer = answer
+        self._startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[str] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.port = 0
+
+    def __enter__(self) -> FloorServer:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvindex-floor-")
+        answer_file = Path(self._dir.name) / "answer.json"
+        answer_file.write_bytes(self._answer)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.floor", str(answer_file)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = _first_line(self._process, self._startup_timeout_s)
+            if not line.startswith("listening on "):
+                raise RuntimeError(f"the floor server printed {line!r} instead of its port")
+            self.port = int(line.split()[-1])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=10)
+            if self._process.stdout is not None:
+                self._process.stdout.close()
+            self._process = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
+def _first_line(process: subprocess.Popen[str], timeout_s: float) -> str:
+    """The process's first line of output, or TimeoutError."""
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise TimeoutError(f"the floor server printed nothing in {timeout_s:.0f}s")
+    return process.stdout.readline().strip()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
