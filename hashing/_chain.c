@@ -601,6 +601,95 @@ segment_tags(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return tags;
 }
 
+PyDoc_STRVAR(walk_segments_doc,
+"walk_segments(segments, parent, tags, token_bytes, seg_width, seg_blocks, digests, low_checks, /)\n--\n\n"
+"DigestMemo.resolve's walk over the full segments of a prompt without extra keys, as its Python loop\n"
+"does it: while segments (an OrderedDict) holds (parent, tag, None) whose run starts token_bytes at the\n"
+"segment's offset, refresh it, extend digests with its digests, append (first, stop, key or None) to\n"
+"low_checks unless its has_low is False, and go on from its last digest. Returns (blocks walked, parent).");
+
+static PyObject *str_move_to_end;
+
+static PyObject *
+walk_segments(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8 || !PyDict_Check(args[0]) || !PyList_CheckExact(args[2]) || !PyBytes_Check(args[3])
+        || !PyList_CheckExact(args[6]) || !PyList_CheckExact(args[7])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "walk_segments() takes (OrderedDict, bytes, list, bytes, int, int, list, list)");
+        return NULL;
+    }
+    PyObject *segments = args[0], *tags = args[2], *digests = args[6], *low_checks = args[7];
+    Py_ssize_t seg_width = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t seg_blocks = PyLong_AsSsize_t(args[5]);
+    if ((seg_width == -1 || seg_blocks == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    const char *data = PyBytes_AS_STRING(args[3]);
+    Py_ssize_t data_len = PyBytes_GET_SIZE(args[3]);
+    PyObject *parent = Py_NewRef(args[1]);
+    Py_ssize_t index = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tags); i++) {
+        PyObject *key = PyTuple_Pack(3, parent, PyList_GET_ITEM(tags, i), Py_None);
+        if (key == NULL) {
+            goto fail;
+        }
+        PyObject *found = PyDict_GetItemWithError(segments, key); /* borrowed */
+        if (found == NULL) {
+            Py_DECREF(key);
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            break;
+        }
+        if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(found, 0))
+            || !PyTuple_CheckExact(PyTuple_GET_ITEM(found, 1)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(found, 1)) == 0) {
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_TypeError, "a memo segment is (run, digests, has_low)");
+            goto fail;
+        }
+        PyObject *run = PyTuple_GET_ITEM(found, 0);
+        Py_ssize_t offset = i * seg_width;
+        Py_ssize_t run_len = PyBytes_GET_SIZE(run);
+        /* token_bytes.startswith(run, offset) */
+        if (offset > data_len || run_len > data_len - offset || memcmp(data + offset, PyBytes_AS_STRING(run), (size_t)run_len) != 0) {
+            Py_DECREF(key);
+            break;
+        }
+        Py_INCREF(found); /* moving the key keeps its value, but hold it across the call anyway */
+        PyObject *moved = PyObject_CallMethodOneArg(segments, str_move_to_end, key);
+        if (moved == NULL) {
+            Py_DECREF(found);
+            Py_DECREF(key);
+            goto fail;
+        }
+        Py_DECREF(moved);
+        PyObject *seg_digests = PyTuple_GET_ITEM(found, 1);
+        PyObject *has_low = PyTuple_GET_ITEM(found, 2);
+        Py_ssize_t size = PyList_GET_SIZE(digests);
+        int failed = PyList_SetSlice(digests, size, size, seg_digests) < 0;
+        if (!failed && has_low != Py_False) {
+            PyObject *check = Py_BuildValue("(nnO)", index, index + seg_blocks, has_low == Py_None ? key : Py_None);
+            failed = check == NULL || PyList_Append(low_checks, check) < 0;
+            Py_XDECREF(check);
+        }
+        if (!failed) {
+            Py_SETREF(parent, Py_NewRef(PyTuple_GET_ITEM(seg_digests, PyTuple_GET_SIZE(seg_digests) - 1)));
+        }
+        Py_DECREF(found);
+        Py_DECREF(key);
+        if (failed) {
+            goto fail;
+        }
+        index += seg_blocks;
+    }
+    return Py_BuildValue("(nN)", index, parent);
+fail:
+    Py_DECREF(parent);
+    return NULL;
+}
+
 PyDoc_STRVAR(preimage_doc,
 "preimage(parent, tokens, cbor, /)\n--\n\n"
 "The bytes chain() hashes for one block (parent, tuple(tokens), None): pickle protocol 5, or canonical\n"
@@ -697,6 +786,7 @@ static PyMethodDef chain_methods[] = {
     {"segment_tags", (PyCFunction)(void (*)(void))segment_tags, METH_FASTCALL, segment_tags_doc},
     {"preimage", (PyCFunction)(void (*)(void))preimage, METH_FASTCALL, preimage_doc},
     {"untrack_atomic", untrack_atomic, METH_O, untrack_atomic_doc},
+    {"walk_segments", (PyCFunction)(void (*)(void))walk_segments, METH_FASTCALL, walk_segments_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -725,6 +815,12 @@ PyInit__chain(void)
         sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
         if (sha256_md == NULL) {
             PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA256 digest");
+            return NULL;
+        }
+    }
+    if (str_move_to_end == NULL) {
+        str_move_to_end = PyUnicode_InternFromString("move_to_end");
+        if (str_move_to_end == NULL) {
             return NULL;
         }
     }

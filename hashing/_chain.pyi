@@ -1,4 +1,6 @@
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 def chain(
     parent: bytes, tokens: Sequence[int], block_size: int, num_blocks: int, cbor: bool, /
@@ -10,3 +12,14 @@ def pack_ids(tokens: Sequence[int], /) -> bytes | None: ...
 def segment_tags(data: bytes, start: int, width: int, count: int, /) -> list[int]: ...
 def preimage(parent: bytes, tokens: Sequence[int], cbor: bool, /) -> bytes | None: ...
 def untrack_atomic(objects: list[object], /) -> None: ...
+def walk_segments(
+    segments: OrderedDict[Any, Any],
+    parent: bytes,
+    tags: list[int],
+    token_bytes: bytes,
+    seg_width: int,
+    seg_blocks: int,
+    digests: list[bytes],
+    low_checks: list[Any],
+    /,
+) -> tuple[int, bytes]: ...

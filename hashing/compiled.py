@@ -9,8 +9,9 @@ extra keys, and every block when the extension is absent or KVINDEX_PURE_PYTHON=
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 
 class ChainCore(Protocol):
@@ -31,6 +32,19 @@ class ChainCore(Protocol):
     def preimage(self, parent: bytes, tokens: Sequence[int], cbor: bool, /) -> bytes | None: ...
 
     def untrack_atomic(self, objects: list[object], /) -> None: ...
+
+    def walk_segments(
+        self,
+        segments: OrderedDict[Any, Any],
+        parent: bytes,
+        tags: list[int],
+        token_bytes: bytes,
+        seg_width: int,
+        seg_blocks: int,
+        digests: list[bytes],
+        low_checks: list[Any],
+        /,
+    ) -> tuple[int, bytes]: ...
 
 
 # The algorithms the compiled core serves (it hashes with SHA-256 only).

@@ -137,7 +137,10 @@ class BlockHasher:
         if not memo_size:
             return None
         if self._compiled is not None:
-            return DigestMemo(memo_size, self._compiled.segment_tags, self._compiled.untrack_atomic)
+            compiled = self._compiled
+            return DigestMemo(
+                memo_size, compiled.segment_tags, compiled.untrack_atomic, compiled.walk_segments
+            )
         return DigestMemo(memo_size)
 
     @property

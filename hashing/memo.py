@@ -24,6 +24,21 @@ LowIds = bool | None
 LowCheck = tuple[int, int, "tuple[Any, ...] | None"]
 # (data, start, width, count) -> the tags of `count` consecutive `width`-byte runs of data from `start`.
 SegmentTagger = Callable[[bytes, int, int, int], list[int]]
+# (segments, parent, tags, token_bytes, seg_width, seg_blocks, digests, low_checks) -> (blocks, parent):
+# resolve's walk over the leading memoised segments (hashing/_chain.c's walk_segments).
+SegmentWalker = Callable[
+    [
+        "OrderedDict[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]]",
+        bytes,
+        list[int],
+        bytes,
+        int,
+        int,
+        list[bytes],
+        list[LowCheck],
+    ],
+    tuple[int, bytes],
+]
 
 
 class DigestMemo:
@@ -50,6 +65,7 @@ class DigestMemo:
         capacity_blocks: int,
         segment_tags: SegmentTagger | None = None,
         untrack: Callable[[list[object]], None] | None = None,
+        walk_segments: SegmentWalker | None = None,
     ) -> None:
         # The tagger: None for xxh3-128 computed inline (the pure path, unchanged), or the compiled
         # core's (XXH64, every segment in one call). A memo keeps one for life: it only ever compares its
@@ -58,6 +74,9 @@ class DigestMemo:
         # The compiled core's untrack_atomic, or None: the entries `record` makes hold only bytes, ints and
         # None, and live on, so the cyclic GC need never scan them (see hashing/_chain.c).
         self._untrack = untrack
+        # The compiled core's walk over a prompt's memoised segments (resolve's loop, the same steps), or
+        # None for the loop below: the loop's per-segment work was a third of a warm prompt's hashing.
+        self._walk_segments = walk_segments
         self._block_capacity = capacity_blocks
         self._segment_capacity = max(1, capacity_blocks // SEGMENT_BLOCKS)
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
@@ -112,6 +131,12 @@ class DigestMemo:
                     tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
                 if seg_tags is not None:
                     seg_tags.extend(tags)
+                walk = self._walk_segments
+                if walk is not None:
+                    index, parent = walk(
+                        segments, parent, tags, token_bytes, seg_width, seg, digests, low_checks
+                    )
+                    tags = []
                 for seg_tag in tags:
                     seg_key: tuple[Any, ...] = (parent, seg_tag, None)
                     found = get_segment(seg_key)

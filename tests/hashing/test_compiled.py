@@ -19,6 +19,7 @@ from hash_cores import EDGE_IDS, require_extension
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvindex.hashing import HASH_ALGOS, BlockHasher, compiled
+from kvindex.hashing import memo as memo_module
 
 # ids the C encoder covers: every exact int in [0, 2**64)
 token_ids = st.one_of(st.sampled_from(EDGE_IDS), st.integers(0, 2**18), st.integers(0, 2**64 - 1))
@@ -187,10 +188,12 @@ def test_untrack_atomic_untracks_only_tuples_of_untracked_items() -> None:
         core.untrack_atomic((flat,))  # type: ignore[arg-type]
 
 
-def test_a_cold_prompt_leaves_no_tracked_objects_in_the_compiled_memo() -> None:
+def test_a_cold_prompt_leaves_no_tracked_objects_in_the_compiled_memo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # What the memo keeps of a prompt holds bytes, ints and None only: nothing for the cyclic GC to scan
     # (a cold 8192-token prompt used to leave 96 tracked tuples, scanned at the next young collection).
-    require_extension()
+    monkeypatch.setattr(compiled, "chain_core", require_extension())  # also under KVINDEX_PURE_PYTHON=1
     hasher = BlockHasher("sha256", block_size=16, memo_size=1 << 16)
     assert hasher._compiled is not None
     prompts = [[(p * 8192 + i) % 50_000 for i in range(8192)] for p in range(1, 4)]
@@ -202,6 +205,50 @@ def test_a_cold_prompt_leaves_no_tracked_objects_in_the_compiled_memo() -> None:
         assert len(digests) == (8192 + 180) // 16
     del digests
     assert len(gc.get_objects()) - tracked_before < 10
+
+
+@given(
+    base=st.lists(st.sampled_from([0, 1, 2, 7, 300, 70_000]), min_size=64 * 6, max_size=64 * 6),
+    cuts=st.lists(st.integers(0, 64 * 6), min_size=1, max_size=12),
+    variants=st.lists(st.tuples(st.integers(0, 64 * 6 - 1), st.sampled_from([0, 1, 5])), max_size=4),
+)
+@examples
+def test_the_compiled_segment_walk_is_the_python_loop(
+    base: list[int], cuts: list[int], variants: list[tuple[int, int]]
+) -> None:
+    """Two memos fed the same prompts (growing turns of one conversation, some with a token changed), one
+    walking its segments in C and one in resolve's loop: the same digests, checks, misses and LRU order."""
+    core = require_extension()
+    block_size, seg_blocks = 4, memo_module.SEGMENT_BLOCKS
+    walked = memo_module.DigestMemo(40 * seg_blocks, core.segment_tags, None, core.walk_segments)
+    looped = memo_module.DigestMemo(40 * seg_blocks, core.segment_tags, None, None)
+    root = bytes(range(32))
+    prompts = [base[:cut] for cut in cuts]
+    for at, token in variants:
+        prompts.append(base[:at] + [token] + base[at + 1 :])
+    for tokens in prompts:
+        packed = array("I", tokens).tobytes()
+        num_blocks = len(tokens) // block_size
+        answers = []
+        for memo in (walked, looped):
+            digests: list[bytes] = []
+            low_checks: list[memo_module.LowCheck] = []
+            tags: list[int] = []
+            missed = memo.resolve(root, packed, 4 * block_size, num_blocks, None, digests, low_checks, tags)
+            answers.append((digests, low_checks, missed))
+            full = core.chain_packed(root, packed, 0, block_size, num_blocks, False)
+            assert full is not None and digests == full[: len(digests)]
+            memo.record(root, packed, 4 * block_size, None, full, len(digests), missed, tags)
+            for first, stop, key in low_checks:
+                if key is not None:
+                    memo.settle(
+                        key,
+                        stop - first == seg_blocks,
+                        min(tokens[first * block_size : stop * block_size]) < 2,
+                    )
+        assert answers[0] == answers[1]
+        assert list(walked._segments.items()) == list(looped._segments.items())
+        assert list(walked._blocks.items()) == list(looped._blocks.items())
 
 
 def test_bad_arguments_raise() -> None:
