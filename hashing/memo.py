@@ -136,19 +136,19 @@ class DigestMemo:
                     index, parent = walk(
                         segments, parent, tags, token_bytes, seg_width, seg, digests, low_checks
                     )
-                    tags = []
-                for seg_tag in tags:
-                    seg_key: tuple[Any, ...] = (parent, seg_tag, None)
-                    found = get_segment(seg_key)
-                    if found is None or not at_offset(found[0], index * block_width):
-                        break
-                    touch_segment(seg_key)
-                    _, seg_digests, has_low = found
-                    digests.extend(seg_digests)
-                    if has_low is not False:
-                        low_checks.append((index, index + seg, seg_key if has_low is None else None))
-                    parent = seg_digests[-1]
-                    index += seg
+                else:
+                    for seg_tag in tags:
+                        seg_key: tuple[Any, ...] = (parent, seg_tag, None)
+                        found = get_segment(seg_key)
+                        if found is None or not at_offset(found[0], index * block_width):
+                            break
+                        touch_segment(seg_key)
+                        _, seg_digests, has_low = found
+                        digests.extend(seg_digests)
+                        if has_low is not False:
+                            low_checks.append((index, index + seg, seg_key if has_low is None else None))
+                        parent = seg_digests[-1]
+                        index += seg
             while index < num_blocks:
                 start = index * block_width
                 if index % seg == 0 and index < full_end:
