@@ -1,12 +1,14 @@
 """A benchmarked service running as its own process: started, awaited, measured (RSS) and always stopped.
 
-Shared by `kvindex serve` (benchmarks/service.py) and Dynamo's indexer (benchmarks/dynamo.py), so both
-subjects are handled — and their memory read — the same way.
+Shared by `kvindex serve` (benchmarks/service.py), Dynamo's indexer (benchmarks/dynamo.py) and the
+measurement floor (benchmarks/floor.py), so every subject is handled — and its memory read — the same way.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -15,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+# What a server of ours prints once it accepts connections (`kvindex serve`, benchmarks/floor.py).
+LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
 def await_condition(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
@@ -67,6 +72,23 @@ class ManagedProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+    def read_port(self, what: str, timeout_s: float) -> int:
+        """The port in the process's `listening on http://127.0.0.1:PORT` line on stdout; RuntimeError if it
+        exits first (with its log), TimeoutError after `timeout_s`."""
+        assert self._process is not None and self._process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        seen = b""
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self._process.returncode}: {self.log_tail()}")
+            ready, _, _ = select.select([self._process.stdout], [], [], 0.2)
+            if ready:
+                seen += os.read(self._process.stdout.fileno(), 4096)
+                match = LISTENING.search(seen.decode(errors="replace"))
+                if match:
+                    return int(match[1])
+        raise TimeoutError(f"{what} printed no listening line in {timeout_s:.0f}s")
 
     def log_tail(self, num_bytes: int = 2000) -> str:
         if self._log is None:

@@ -8,22 +8,22 @@ and Dynamo, it shows what the client, loopback and the shared two cores cost on 
 the floor's is the instrument's, not the service's: on this box the floor's 512-hash p99 was already ~0.45x
 Dynamo's (issue 14's goal for that row is <= 0.5x).
 
-`python -m benchmarks.floor ANSWER_FILE` prints `listening on PORT` and serves until killed; FloorServer runs
+`python -m benchmarks.floor ANSWER_FILE` prints `listening on http://127.0.0.1:PORT` and serves until killed; FloorServer runs
 it as a subprocess.
 """
 
 from __future__ import annotations
 
 import asyncio
-import selectors
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import cast
 
 from kvindex.cli.process import event_loop_factory
+
+from benchmarks._process import ManagedProcess
 
 _HEAD_END = b"\r\n\r\n"
 _LENGTH = b"content-length:"
@@ -66,7 +66,7 @@ async def _serve(answer: bytes) -> None:
     response = response_bytes(answer)
     server = await loop.create_server(lambda: _CannedAnswer(response), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    print(f"listening on {port}", flush=True)
+    print(f"listening on http://127.0.0.1:{port}", flush=True)
     await server.serve_forever()
 
 
@@ -79,57 +79,36 @@ def main(argv: list[str]) -> None:
         runner.run(_serve(answer))
 
 
-class FloorServer:
-    """`python -m benchmarks.floor` in a subprocess answering `answer`; `port` once entered."""
+class FloorServer(ManagedProcess):
+    """`python -m benchmarks.floor` in a subprocess answering `answer`; `port` once started."""
 
     def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
         self._answer = answer
         self._startup_timeout_s = startup_timeout_s
-        self._process: subprocess.Popen[str] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
 
-    def __enter__(self) -> FloorServer:
+    def start(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvindex-floor-")
         answer_file = Path(self._dir.name) / "answer.json"
         answer_file.write_bytes(self._answer)
+        self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.floor", str(answer_file)],
             stdout=subprocess.PIPE,
-            text=True,
+            stderr=self._log,
         )
         try:
-            line = _first_line(self._process, self._startup_timeout_s)
-            if not line.startswith("listening on "):
-                raise RuntimeError(f"the floor server printed {line!r} instead of its port")
-            self.port = int(line.split()[-1])
+            self.port = self.read_port("the floor server", self._startup_timeout_s)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.stop()
             raise
-        return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait(timeout=10)
-            if self._process.stdout is not None:
-                self._process.stdout.close()
-            self._process = None
+    def stop(self, timeout_s: float = 15.0) -> None:
+        super().stop(timeout_s)
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
-
-
-def _first_line(process: subprocess.Popen[str], timeout_s: float) -> str:
-    """The process's first line of output, or TimeoutError."""
-    assert process.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise TimeoutError(f"the floor server printed nothing in {timeout_s:.0f}s")
-    return process.stdout.readline().strip()
 
 
 if __name__ == "__main__":

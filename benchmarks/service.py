@@ -11,19 +11,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
-import select
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from benchmarks._process import ManagedProcess, await_condition
-
-_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
 class JsonClient:
@@ -169,7 +164,7 @@ class KvindexService(ManagedProcess):
             command, stdout=subprocess.PIPE, stderr=self._log, env=dict(os.environ, PYTHONUNBUFFERED="1")
         )
         try:
-            self.port = self._read_port()
+            self.port = self.read_port("kvindex serve", self.startup_timeout_s)
             self.client = JsonClient(self.port)
             await_condition(
                 lambda: len(self.pods()) == len(self.endpoints), self.startup_timeout_s, "kvindex's pod list"
@@ -177,22 +172,6 @@ class KvindexService(ManagedProcess):
         except BaseException:
             self.stop()
             raise
-
-    def _read_port(self) -> int:
-        assert self._process is not None and self._process.stdout is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        seen = b""
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"kvindex serve exited with {self._process.returncode}: {self.log_tail()}")
-            ready, _, _ = select.select([self._process.stdout], [], [], 0.2)
-            if ready:
-                chunk = os.read(self._process.stdout.fileno(), 4096)
-                seen += chunk
-                match = _LISTENING.search(seen.decode(errors="replace"))
-                if match:
-                    return int(match[1])
-        raise TimeoutError(f"kvindex serve printed no listening line in {self.startup_timeout_s:.0f}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, wait, SIGKILL if it lingers. Idempotent."""

@@ -287,7 +287,7 @@ class ProcessSubject(KvindexService):
             command, stdout=subprocess.PIPE, stderr=self._log, env=dict(os.environ, PYTHONUNBUFFERED="1")
         )
         try:
-            self.port = self._read_port()
+            self.port = self.read_port("kvindex serve", self.startup_timeout_s)
             self.client = JsonClient(self.port)
             self.client.request("GET", "/healthz")  # printed once HTTP is up; raises if it is not
         except BaseException:
