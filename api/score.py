@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -66,7 +66,7 @@ class PromptHashers:
         request: ScoreRequest,
         lora_path: str | None,
         held: HeldCheck | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         """The prompt's block keys (with `held`, possibly only up to a block no pod holds: see
         BlockHasher.event_hashes)."""
         hasher = self._by_model.get(config.name)
@@ -83,7 +83,7 @@ class PromptHashers:
         if request.mm is not None:
             mm = [MMItem(identifier=m.identifier, offset=m.offset, length=m.length) for m in request.mm]
         try:
-            return hasher.event_hashes(
+            return hasher.event_key_array(
                 request.token_ids,
                 lora_name=request.lora_name,
                 lora_path=lora_path,
@@ -98,7 +98,7 @@ class PromptHashers:
 
 def prompt_holders(
     index: Store,
-    hash_prompt: Callable[[HeldCheck | None], list[int]],
+    hash_prompt: Callable[[HeldCheck | None], Sequence[int]],
     num_blocks: int,
     pods: list[str] | None,
 ) -> tuple[list[HolderIds], int]:
@@ -247,7 +247,7 @@ class ScoreHandler:
         return JSON_ENCODER.encode(response)
 
     def _answer_keys(
-        self, runtime: ModelRuntime, block_keys: list[int], request: ScoreRequest
+        self, runtime: ModelRuntime, block_keys: Sequence[int], request: ScoreRequest
     ) -> tuple[bytes, int, list[str] | msgspec.UnsetType]:
         """_answer of the lookup of `block_keys` (any thread)."""
         return self._answer(runtime, runtime.index.lookup_ids(block_keys, request.pods), request)
@@ -295,7 +295,7 @@ class ScoreHandler:
         streams = self._stream_ids.get(runtime.config.name, frozenset())
         return [pod_id for pod_id in candidates if pod_id not in streams]
 
-    async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> list[int]:
+    async def _block_keys(self, config: ModelConfig, request: ScoreRequest) -> Sequence[int]:
         block_keys = self._block_keys_now(config, request)
         if block_keys is not None:
             return block_keys
@@ -305,7 +305,7 @@ class ScoreHandler:
             self._executor, self._worker_hashers.block_keys, config, request, lora_path
         )
 
-    def _block_keys_now(self, config: ModelConfig, request: ScoreRequest) -> list[int] | None:
+    def _block_keys_now(self, config: ModelConfig, request: ScoreRequest) -> Sequence[int] | None:
         """The request's block keys, hashed on this thread; None for a prompt the worker thread hashes."""
         if request.block_hashes is not None:
             return request.block_hashes
@@ -335,7 +335,7 @@ class ScoreHandler:
         """prompt_holders of a token prompt (any thread), its blocks counted in the metrics."""
         config = runtime.config
 
-        def hash_prompt(held: HeldCheck | None) -> list[int]:
+        def hash_prompt(held: HeldCheck | None) -> Sequence[int]:
             return hashers.block_keys(config, request, lora_path, held)
 
         num_blocks = _num_blocks(config, request)

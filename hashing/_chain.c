@@ -690,6 +690,42 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(event_keys_doc,
+"event_keys(digests, /)\n--\n\n"
+"The event key of each digest in the list (its last 8 bytes, big-endian), packed as native uint64 (as\n"
+"array('Q', keys).tobytes() packs them): what a lookup reads, without an int object per block.");
+
+static PyObject *
+event_keys(PyObject *module, PyObject *digests)
+{
+    (void)module;
+    if (!PyList_CheckExact(digests)) {
+        PyErr_SetString(PyExc_TypeError, "event_keys() wants a list of digests");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(digests);
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint64_t));
+    if (packed == NULL) {
+        return NULL;
+    }
+    char *out = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) < 8) {
+            Py_DECREF(packed);
+            PyErr_SetString(PyExc_TypeError, "event_keys() wants digests of 8 bytes or more");
+            return NULL;
+        }
+        const unsigned char *tail = (const unsigned char *)PyBytes_AS_STRING(digest) + PyBytes_GET_SIZE(digest) - 8;
+        uint64_t key = 0;
+        for (int k = 0; k < 8; k++) {
+            key = key << 8 | tail[k];
+        }
+        memcpy(out + i * (Py_ssize_t)sizeof(uint64_t), &key, sizeof key);
+    }
+    return packed;
+}
+
 PyDoc_STRVAR(preimage_doc,
 "preimage(parent, tokens, cbor, /)\n--\n\n"
 "The bytes chain() hashes for one block (parent, tuple(tokens), None): pickle protocol 5, or canonical\n"
@@ -783,6 +819,7 @@ static PyMethodDef chain_methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"chain_packed", (PyCFunction)(void (*)(void))chain_packed, METH_FASTCALL, chain_packed_doc},
     {"pack_ids", pack_ids, METH_O, pack_ids_doc},
+    {"event_keys", event_keys, METH_O, event_keys_doc},
     {"segment_tags", (PyCFunction)(void (*)(void))segment_tags, METH_FASTCALL, segment_tags_doc},
     {"preimage", (PyCFunction)(void (*)(void))preimage, METH_FASTCALL, preimage_doc},
     {"untrack_atomic", untrack_atomic, METH_O, untrack_atomic_doc},

@@ -41,6 +41,9 @@ DEFAULT_MEMO_SIZE: Final = 32768
 # Bytes per token in the memo's packed keys.
 _PACKED_TYPECODE: Final = "I"
 _KEY_ITEMSIZE: Final = array(_PACKED_TYPECODE).itemsize
+# Event keys packed for a lookup (event_key_array): unsigned 64-bit, native order.
+EVENT_KEY_TYPECODE: Final = "Q"
+assert array(EVENT_KEY_TYPECODE).itemsize == 8
 # With `held`: blocks hashed between two questions, at least this many and an eighth of the chain so far
 # (so a long prompt held to its end asks ~log(blocks) times, and hashes at most ~1/8 past where its held run
 # ends), each stretch ending on a memo segment boundary. A stretch costs ~2 us besides its blocks (a
@@ -127,6 +130,8 @@ class BlockHasher:
         self._cbor_array_head = cbor_fast.array_head(block_size)
         self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
         self._compiled = compiled.core_for(self._algo.name)
+        # Folding digests to keys does not depend on the algorithm: the core does it for every one.
+        self._key_core = compiled.chain_core
         self._memo = self._make_memo(memo_size)
         if self._algo.uses_cbor:
             # Built here rather than by the first prompt, so a service that makes its hashers at start-up
@@ -202,6 +207,31 @@ class BlockHasher:
             token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead, held
         )
         return event_hashes_of(digests, self._algo.digest_size)
+
+    def event_key_array(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMItem] | None = None,
+        prompt_embeds_digests: Sequence[bytes] | None = None,
+        lookahead: int = 0,
+        held: HeldCheck | None = None,
+    ) -> array[int]:
+        """`event_hashes`, as an array('Q'): the same keys, for a lookup that reads them without an int
+        object per block (the compiled core packs a 512-block prompt's keys in ~1 us, against ~15 us for
+        the list of ints)."""
+        digests = self._chain(
+            token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead, held
+        )
+        keys = array(EVENT_KEY_TYPECODE)
+        if self._key_core is None:
+            keys.fromlist(event_hashes_of(digests, self._algo.digest_size))
+        else:
+            keys.frombytes(self._key_core.event_keys(digests))
+        return keys
 
     def block_hashes_after(self, parent: bytes, token_ids: Sequence[int]) -> list[bytes]:
         """Raw digests of plain full blocks (no extra keys) continuing a chain whose last block's digest

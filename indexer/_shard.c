@@ -894,6 +894,44 @@ ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
 /* Keys are read LOOKUP_CHUNK at a time, their slots and nodes prefetched, then resolved in order. */
 #define LOOKUP_CHUNK 16
 
+/* The lookup's keys: a packed array('Q') (read in place, no int object per key) or a sequence of ints. */
+typedef struct {
+    PyObject *fast;        /* the sequence's items, or NULL for a packed array */
+    const uint64_t *packed; /* the array's keys */
+    Py_ssize_t size;
+} lookup_keys;
+
+/* Key i of `source` to *key: 1 if it can be a key, 0 if it cannot (no pod holds it), -1 on error. */
+static int
+lookup_key_at(const lookup_keys *source, Py_ssize_t i, uint64_t *key)
+{
+    if (source->fast == NULL) {
+        memcpy(key, source->packed + i, sizeof *key);
+        return 1;
+    }
+    return as_lookup_key(PySequence_Fast_GET_ITEM(source->fast, i), key);
+}
+
+/* A native unsigned 64-bit buffer (array('Q'), or 'L' where long is 8 bytes): 1 and *view held; 0 for
+ * anything else (read as a sequence), with no error set; -1 on error. */
+static int
+packed_keys(PyObject *keys, Py_buffer *view)
+{
+    if (PyList_Check(keys) || PyTuple_Check(keys) || !PyObject_CheckBuffer(keys)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(keys, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (view->itemsize == 8 && view->format != NULL
+        && (strcmp(view->format, "Q") == 0 || strcmp(view->format, "L") == 0)) {
+        return 1;
+    }
+    PyBuffer_Release(view);
+    return 0;
+}
+
 static PyObject *
 Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -901,21 +939,30 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "lookup_run(block_keys, single_ids: list, out: list)");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(args[0], "block keys must be a sequence");
+    Py_buffer view;
+    lookup_keys source = {NULL, NULL, 0};
+    int is_packed = packed_keys(args[0], &view);
+    if (is_packed) {
+        source.packed = (const uint64_t *)view.buf;
+        source.size = view.len / 8;
+    } else {
+        source.fast = PySequence_Fast(args[0], "block keys must be a sequence");
+        if (source.fast == NULL) {
+            return NULL;
+        }
+        source.size = PySequence_Fast_GET_SIZE(source.fast);
+    }
     PyObject *last = NULL;
     uint64_t keys[LOOKUP_CHUNK];
-    if (fast == NULL) {
-        return NULL;
-    }
-    Py_ssize_t size = PySequence_Fast_GET_SIZE(fast);
-    for (Py_ssize_t base = 0; base < size; base += LOOKUP_CHUNK) {
-        Py_ssize_t chunk = size - base < LOOKUP_CHUNK ? size - base : LOOKUP_CHUNK;
+    int failed = 0;
+    for (Py_ssize_t base = 0; base < source.size && !failed; base += LOOKUP_CHUNK) {
+        Py_ssize_t chunk = source.size - base < LOOKUP_CHUNK ? source.size - base : LOOKUP_CHUNK;
         Py_ssize_t valid = 0;
         while (valid < chunk) {
-            int readable = as_lookup_key(PySequence_Fast_GET_ITEM(fast, base + valid), &keys[valid]);
+            int readable = lookup_key_at(&source, base + valid, &keys[valid]);
             if (readable < 0) {
-                Py_DECREF(fast);
-                return NULL;
+                failed = 1;
+                break;
             }
             if (!readable) {
                 break; /* the lookup stops here: nobody holds it */
@@ -923,28 +970,36 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
             prefetch_slot(self, keys[valid]);
             valid++;
         }
+        if (failed) {
+            break;
+        }
         for (Py_ssize_t j = 0; j < valid; j++) {
             prefetch_node(self, keys[j]);
         }
-        for (Py_ssize_t j = 0; j < valid; j++) {
+        Py_ssize_t j = 0;
+        for (; j < valid; j++) {
             PyObject *ids = ids_of(self, keys[j], args[1], &last);
             if (ids == NULL) {
-                Py_DECREF(fast);
-                if (PyErr_Occurred()) {
-                    return NULL;
-                }
-                Py_RETURN_NONE;
+                failed = PyErr_Occurred() != NULL;
+                break;
             }
             if (PyList_Append(args[2], ids) < 0) {
-                Py_DECREF(fast);
-                return NULL;
+                failed = 1;
+                break;
             }
         }
-        if (valid < chunk) {
-            break;
+        if (j < valid || valid < chunk) {
+            break; /* a block nobody holds, or an error */
         }
     }
-    Py_DECREF(fast);
+    if (is_packed) {
+        PyBuffer_Release(&view);
+    } else {
+        Py_DECREF(source.fast);
+    }
+    if (failed) {
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 

@@ -157,6 +157,13 @@ def test_pack_ids_is_array_packing_of_exact_uint32s(tokens: list[int]) -> None:
     assert core.pack_ids(tuple(tokens)) == core.pack_ids(tokens)
 
 
+@given(digests=st.lists(st.binary(min_size=8, max_size=40), max_size=30))
+@examples
+def test_event_keys_are_event_hash_packed_as_uint64(digests: list[bytes]) -> None:
+    core = require_extension()
+    assert core.event_keys(digests) == array("Q", [int.from_bytes(d[-8:], "big") for d in digests]).tobytes()
+
+
 @given(data=st.binary(max_size=3000), width=st.integers(1, 1100), start=st.integers(0, 40))
 @examples
 def test_segment_tags_are_xxh64(data: bytes, width: int, start: int) -> None:
@@ -270,6 +277,10 @@ def test_bad_arguments_raise() -> None:
         core.segment_tags(b"abc", 0, 2, 2)
     with pytest.raises(ValueError):
         core.segment_tags(b"abc", 4, 1, 0)
+    with pytest.raises(TypeError):
+        core.event_keys([bytes(32), bytes(7)])  # shorter than an event key
+    with pytest.raises(TypeError):
+        core.event_keys((bytes(32),))  # type: ignore[arg-type]
 
 
 CORE_PROBE = """

@@ -38,6 +38,10 @@ def test_equals_the_reference_formula(tokens: list[int], algo: str, block_size: 
     assert hasher.block_hashes(tokens) == expected
     assert hasher.block_hashes(tuple(tokens)) == expected  # second call: served by the memo
     assert hasher.event_hashes(tokens) == [int.from_bytes(d, "big") & (2**64 - 1) for d in expected]
+    keys = hasher.event_key_array(tokens)
+    assert keys.typecode == "Q" and keys.tolist() == [
+        int.from_bytes(d, "big") & (2**64 - 1) for d in expected
+    ]
     assert (
         BlockHasher(algo=algo, block_size=block_size, seed=seed, memo_size=0).block_hashes(tokens) == expected
     )

@@ -60,6 +60,7 @@ def test_case(case_id: str, memo_size: int) -> None:
     for _ in range(2):  # the second pass is served by the memo when it is on
         assert [d.hex() for d in hasher.block_hashes(tokens, **keywords)] == expected["block_hashes_hex"]
         assert hasher.event_hashes(tokens, **keywords) == expected["event_hashes"]
+        assert hasher.event_key_array(tokens, **keywords).tolist() == expected["event_hashes"]
     extra_keys = _jsonable(hasher.event_extra_keys(tokens, **keywords))
     if expected["event_extra_keys"] is None:
         # The file writes null for the lookahead cases; vLLM's BlockPool publishes one null per block there.
@@ -85,6 +86,7 @@ def test_case_from_packed_ids(case_id: str) -> None:
             packed = array("I", tokens)
             assert [d.hex() for d in hasher.block_hashes(packed, **keywords)] == expected["block_hashes_hex"]
             assert hasher.event_hashes(packed, **keywords) == expected["event_hashes"]
+            assert hasher.event_key_array(packed, **keywords).tolist() == expected["event_hashes"]
             assert hasher.event_hashes(tokens, **keywords) == expected["event_hashes"]  # shares the memo
 
 

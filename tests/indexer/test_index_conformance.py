@@ -7,6 +7,7 @@ clear drops the pod, the least recently stored key / entry goes first), never fr
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -297,6 +298,18 @@ class TestKVIndexConformance:
         index.apply(POD_A, [stored(keys[:2]), stored(keys[3:])])
         assert index.lookup(keys) == [((POD_A, TIER_GPU),)] * 2
         assert index.lookup(keys[3:]) == [((POD_A, TIER_GPU),)]
+
+    def test_lookup_reads_keys_packed_as_unsigned_64_bit(self, index: Store) -> None:
+        """The score path passes a prompt's keys as array('Q') (BlockHasher.event_key_array): the same
+        answers as a list of ints, including keys past 2**63 and the stop at the first gap."""
+        keys = spread_keys(index, 6, start=2**63 - 3)  # on both sides of 2**63
+        index.apply(POD_A, [stored(keys[:2]), stored(keys[3:])])
+        index.apply(POD_B, [stored(keys[:1])])
+        for probe in (keys, keys[3:], keys[2:], []):
+            assert index.lookup_ids(array("Q", probe)) == index.lookup_ids(probe)
+            assert index.lookup(array("Q", probe)) == index.lookup(probe)
+        assert len(index.lookup(array("Q", keys[3:]))) == 3
+        assert index.lookup(array("Q", keys), pods=["b"]) == [((POD_B, TIER_GPU),)]
 
     def test_pods_filter_restricts_holders_and_the_stop(self, index: Store) -> None:
         keys = spread_keys(index, 3)
