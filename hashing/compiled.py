@@ -29,6 +29,8 @@ class ChainCore(Protocol):
 
     def event_keys(self, digests: list[bytes], /) -> bytes: ...
 
+    def pack_ids_tagged(self, tokens: Sequence[int], seg_ids: int, /) -> tuple[bytes, list[int]] | None: ...
+
     def segment_tags(self, data: bytes, start: int, width: int, count: int, /) -> list[int]: ...
 
     def preimage(self, parent: bytes, tokens: Sequence[int], cbor: bool, /) -> bytes | None: ...
@@ -44,7 +46,7 @@ class ChainCore(Protocol):
         seg_width: int,
         seg_blocks: int,
         digests: list[bytes],
-        low_checks: list[Any],
+        low_checks: list[Any] | None,
         /,
     ) -> tuple[int, bytes]: ...
 

@@ -322,23 +322,34 @@ class BlockHasher:
         """_chain_plain for the compiled core: its packer also proves every id an exact int, so neither
         the memo hits' low-id re-checks nor a validation pass over the rest are needed. None when an id
         is not an exact int below 2**32: _chain_plain then takes the prompt."""
-        token_bytes = core.pack_ids(token_ids)
-        if token_bytes is None:
+        # The memo made with this core tags its segments with the core's XXH64: the packer's tags.
+        packed = core.pack_ids_tagged(token_ids, SEGMENT_BLOCKS * self._block_size)
+        if packed is None:
             return None
-        return self._chain_packed(memo, token_bytes, token_ids, held)
+        token_bytes, seg_tags = packed
+        return self._chain_packed(memo, token_bytes, token_ids, held, seg_tags)
 
     def _chain_packed(
-        self, memo: DigestMemo, token_bytes: bytes, token_ids: Sequence[int], held: HeldCheck | None = None
+        self,
+        memo: DigestMemo,
+        token_bytes: bytes,
+        token_ids: Sequence[int],
+        held: HeldCheck | None = None,
+        seg_tags: list[int] | None = None,
     ) -> list[bytes]:
         """The memoised chain of plain blocks whose ids are known to be exact ints in [0, 2**32) and
-        packed as `token_bytes` (array('I') bytes): no id needs checking, only the memo's misses hashing."""
+        packed as `token_bytes` (array('I') bytes): no id needs checking, only the memo's misses hashing.
+        `seg_tags`: the memo's tags of every full segment, when the packer computed them."""
         block_size = self._block_size
         block_width = _KEY_ITEMSIZE * block_size
         num_blocks = len(token_ids) // block_size
         digests: list[bytes] = []
-        seg_tags: list[int] = []
+        tags_known = seg_tags is not None
+        if seg_tags is None:
+            seg_tags = []
+        # No low-id checks: every id is an exact int, so a hit's values are its types too.
         missed_segments = memo.resolve(
-            self._root, token_bytes, block_width, num_blocks, None, digests, [], seg_tags
+            self._root, token_bytes, block_width, num_blocks, None, digests, None, seg_tags, tags_known
         )
         first_new = len(digests)
         if first_new < num_blocks:

@@ -35,7 +35,7 @@ SegmentWalker = Callable[
         int,
         int,
         list[bytes],
-        list[LowCheck],
+        "list[LowCheck] | None",
     ],
     tuple[int, bytes],
 ]
@@ -96,15 +96,18 @@ class DigestMemo:
         num_blocks: int,
         extras: Sequence[ExtraKeys] | None,
         digests: list[bytes],
-        low_checks: list[LowCheck],
+        low_checks: list[LowCheck] | None,
         seg_tags: list[int] | None = None,
+        tags_known: bool = False,
     ) -> list[int]:
         """Append the longest known prefix of the chain to `digests`.
 
-        Appends to `low_checks` each hit whose tokens hold or may hold an id below 2, and (without extra
-        keys) to `seg_tags` the tag of every full segment, for `record` to reuse. Returns the first
-        block of every full segment whose lookup missed: the caller `record`s them once their blocks are
-        known, so the next prompt through them takes one lookup, not SEGMENT_BLOCKS.
+        Appends to `low_checks` (None: the caller proved every id's type) each hit whose tokens hold or
+        may hold an id below 2, and (without extra keys) to `seg_tags` the tag of every full segment, for
+        `record` to reuse; with `tags_known`, `seg_tags` already holds them (the compiled packer's, made
+        by this memo's tagger). Returns the first block of every full segment whose lookup missed: the
+        caller `record`s them once their blocks are known, so the next prompt through them takes one
+        lookup, not SEGMENT_BLOCKS.
         """
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
@@ -122,15 +125,18 @@ class DigestMemo:
                 # The common case, at a minimum of work per segment: tags in one comprehension, and the
                 # stored run compared in place (startswith) rather than through a 1 KiB slice.
                 at_offset = token_bytes.startswith
-                if segment_tags is None:
-                    tags = [
-                        tag(view[start : start + seg_width])
-                        for start in range(0, full_end * block_width, seg_width)
-                    ]
+                if tags_known and seg_tags is not None:
+                    tags = seg_tags
                 else:
-                    tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
-                if seg_tags is not None:
-                    seg_tags.extend(tags)
+                    if segment_tags is None:
+                        tags = [
+                            tag(view[start : start + seg_width])
+                            for start in range(0, full_end * block_width, seg_width)
+                        ]
+                    else:
+                        tags = segment_tags(token_bytes, 0, seg_width, full_end // seg)
+                    if seg_tags is not None:
+                        seg_tags.extend(tags)
                 walk = self._walk_segments
                 if walk is not None:
                     index, parent = walk(
@@ -145,7 +151,7 @@ class DigestMemo:
                         touch_segment(seg_key)
                         _, seg_digests, has_low = found
                         digests.extend(seg_digests)
-                        if has_low is not False:
+                        if has_low is not False and low_checks is not None:
                             low_checks.append((index, index + seg, seg_key if has_low is None else None))
                         parent = seg_digests[-1]
                         index += seg
@@ -164,7 +170,7 @@ class DigestMemo:
                         touch_segment(seg_key)
                         _, seg_digests, has_low = found
                         digests.extend(seg_digests)
-                        if has_low is not False:
+                        if has_low is not False and low_checks is not None:
                             low_checks.append((index, index + seg, seg_key if has_low is None else None))
                         parent = seg_digests[-1]
                         index += seg
@@ -181,7 +187,7 @@ class DigestMemo:
                 blocks.move_to_end(block_key)
                 parent, has_low = hit
                 digests.append(parent)
-                if has_low is not False:
+                if has_low is not False and low_checks is not None:
                     low_checks.append((index, index + 1, block_key if has_low is None else None))
                 index += 1
         return missed_segments

@@ -164,6 +164,26 @@ def test_event_keys_are_event_hash_packed_as_uint64(digests: list[bytes]) -> Non
     assert core.event_keys(digests) == array("Q", [int.from_bytes(d[-8:], "big") for d in digests]).tobytes()
 
 
+@given(
+    tokens=st.lists(st.one_of(st.sampled_from(EDGE_IDS), st.booleans(), st.integers(-3, 3)), max_size=90),
+    seg_ids=st.sampled_from([8, 16, 24, 64]),
+)
+@examples
+def test_pack_ids_tagged_is_pack_ids_and_segment_tags(tokens: list[int], seg_ids: int) -> None:
+    """One pass, the same as pack_ids then segment_tags over every full run of seg_ids ids."""
+    core = require_extension()
+    packed = core.pack_ids(tokens)
+    if packed is None:
+        assert core.pack_ids_tagged(tokens, seg_ids) is None
+        return
+    runs = len(tokens) // seg_ids
+    expected_tags = [
+        xxhash.xxh64_intdigest(packed[4 * seg_ids * r : 4 * seg_ids * (r + 1)]) for r in range(runs)
+    ]
+    assert core.pack_ids_tagged(tokens, seg_ids) == (packed, expected_tags)
+    assert core.pack_ids_tagged(tuple(tokens), seg_ids) == (packed, expected_tags)
+
+
 @given(data=st.binary(max_size=3000), width=st.integers(1, 1100), start=st.integers(0, 40))
 @examples
 def test_segment_tags_are_xxh64(data: bytes, width: int, start: int) -> None:
@@ -229,6 +249,8 @@ def test_the_compiled_segment_walk_is_the_python_loop(
     block_size, seg_blocks = 4, memo_module.SEGMENT_BLOCKS
     walked = memo_module.DigestMemo(40 * seg_blocks, core.segment_tags, None, core.walk_segments)
     looped = memo_module.DigestMemo(40 * seg_blocks, core.segment_tags, None, None)
+    # As BlockHasher's compiled path uses it: the packer's tags given, no low-id checks wanted.
+    tagged = memo_module.DigestMemo(40 * seg_blocks, core.segment_tags, None, core.walk_segments)
     root = bytes(range(32))
     prompts = [base[:cut] for cut in cuts]
     for at, token in variants:
@@ -256,6 +278,19 @@ def test_the_compiled_segment_walk_is_the_python_loop(
         assert answers[0] == answers[1]
         assert list(walked._segments.items()) == list(looped._segments.items())
         assert list(walked._blocks.items()) == list(looped._blocks.items())
+        packed_tagged = core.pack_ids_tagged(tokens, seg_blocks * block_size)
+        assert packed_tagged is not None and packed_tagged[0] == packed
+        digests, tags = [], packed_tagged[1]
+        missed = tagged.resolve(root, packed, 4 * block_size, num_blocks, None, digests, None, tags, True)
+        assert (digests, missed) == (answers[0][0], answers[0][2])
+        full = core.chain_packed(root, packed, 0, block_size, num_blocks, False)
+        assert full is not None
+        tagged.record(root, packed, 4 * block_size, None, full, len(digests), missed, tags)
+        # The same entries in the same LRU order (has_low is never settled here: nothing asks).
+        assert [(k, v[:2]) for k, v in tagged._segments.items()] == [
+            (k, v[:2]) for k, v in walked._segments.items()
+        ]
+        assert list(tagged._blocks) == list(walked._blocks)
 
 
 def test_bad_arguments_raise() -> None:
@@ -279,6 +314,10 @@ def test_bad_arguments_raise() -> None:
         core.segment_tags(b"abc", 4, 1, 0)
     with pytest.raises(TypeError):
         core.event_keys([bytes(32), bytes(7)])  # shorter than an event key
+    with pytest.raises(ValueError):
+        core.pack_ids_tagged([1, 2], 12)  # runs are whole 32-byte stripes
+    with pytest.raises(TypeError):
+        core.pack_ids_tagged(iter([1, 2]), 8)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         core.event_keys((bytes(32),))  # type: ignore[arg-type]
 
