@@ -41,6 +41,26 @@ static EVP_MD *sha256_md = NULL;
 
 /* ---- pickle protocol 5, as CPython's _pickle.c writes (parent, tokens, None) ---- */
 
+/* Four bytes at out: `value` little-endian (le) or big-endian. Callers leave room past what they keep. */
+static void
+store32(unsigned char *out, uint32_t value, int little_endian)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    if (little_endian) {
+        value = __builtin_bswap32(value);
+    }
+#else
+    if (!little_endian) {
+        value = __builtin_bswap32(value);
+    }
+#endif
+    memcpy(out, &value, sizeof value);
+}
+
+/* An id's pickle opcode and the bytes it keeps, by size class (<= 0xff, <= 0xffff, < 2**31). */
+static const unsigned char BININT_OPCODE[3] = {'K', 'M', 'J'};
+static const unsigned char BININT_LENGTH[3] = {2, 3, 5};
+
 static unsigned char *
 pickle_int(unsigned char *out, uint64_t value)
 {
@@ -48,23 +68,14 @@ pickle_int(unsigned char *out, uint64_t value)
     int nbytes;
     int i;
 
-    if (value <= 0xff) { /* BININT1 */
-        *out++ = 'K';
-        *out++ = (unsigned char)value;
-        return out;
-    }
-    if (value <= 0xffff) { /* BININT2 */
-        *out++ = 'M';
-        *out++ = (unsigned char)(value & 0xff);
-        *out++ = (unsigned char)(value >> 8);
-        return out;
-    }
-    if (value <= 0x7fffffff) { /* BININT: a signed 4-byte int */
-        *out++ = 'J';
-        for (i = 0; i < 4; i++) {
-            *out++ = (unsigned char)(value >> (8 * i));
-        }
-        return out;
+    if (value <= 0x7fffffff) {
+        /* BININT1, BININT2 or BININT (a signed 4-byte int), without a branch on the size: ids of every
+         * size mix in a prompt, and the mispredicted branches were most of the serialising. Four value
+         * bytes are always written; the next id overwrites what its opcode does not keep. */
+        int size_class = (value > 0xff) + (value > 0xffff);
+        out[0] = BININT_OPCODE[size_class];
+        store32(out + 1, (uint32_t)value, 1);
+        return out + BININT_LENGTH[size_class];
     }
     /* LONG1: little-endian two's complement, (bit length // 8) + 1 bytes, as save_long sizes it. */
     nbits = 64 - __builtin_clzll(value);
@@ -148,6 +159,26 @@ cbor_head(unsigned char *out, unsigned char major, uint64_t value)
     return out;
 }
 
+/* By size class (< 24, <= 0xff, <= 0xffff, < 2**32): the head's additional info (class 0: the value
+ * itself), the value bytes kept, and the shift that moves them to the top of 32 bits. */
+static const unsigned char CBOR_INFO[4] = {0, 24, 25, 26};
+static const unsigned char CBOR_WIDTH[4] = {0, 1, 2, 4};
+static const unsigned char CBOR_SHIFT[4] = {32, 24, 16, 0};
+
+/* cbor_head(out, 0x00, value) for an unsigned id, without a branch on its size below 2**32 (as pickle_int);
+ * writes up to 4 bytes past what it keeps. */
+static unsigned char *
+cbor_uint(unsigned char *out, uint64_t value)
+{
+    if (value > 0xffffffffULL) {
+        return cbor_head(out, 0x00, value);
+    }
+    int size_class = (value >= 24) + (value > 0xff) + (value > 0xffff);
+    out[0] = size_class ? CBOR_INFO[size_class] : (unsigned char)value;
+    store32(out + 1, (uint32_t)(value << CBOR_SHIFT[size_class]), 0);
+    return out + 1 + CBOR_WIDTH[size_class];
+}
+
 static size_t
 cbor_preimage(unsigned char *buf, const unsigned char *parent, size_t parent_size,
               const uint64_t *tokens, Py_ssize_t block_size)
@@ -161,7 +192,7 @@ cbor_preimage(unsigned char *buf, const unsigned char *parent, size_t parent_siz
     out += parent_size;
     out = cbor_head(out, 0x80, (uint64_t)block_size);
     for (i = 0; i < block_size; i++) {
-        out = cbor_head(out, 0x00, tokens[i]);
+        out = cbor_uint(out, tokens[i]);
     }
     *out++ = 0xf6; /* null */
     return (size_t)(out - buf);
