@@ -1,5 +1,5 @@
 """The optional compiled cores (kvindex.hashing._chain, kvindex.indexer._shard and ._payload,
-kvindex.api._token_ids and ._answer); the rest is in pyproject.toml.
+kvindex.api._id_arrays and ._answer); the rest is in pyproject.toml.
 
 The hash core is built when a C compiler and OpenSSL's headers (Debian: libssl-dev) are present, the index
 core, the request reader and the answer writer when a C compiler is. Without them the install still
@@ -56,7 +56,7 @@ setup(
             extra_compile_args=["-O2"],
         ),
         Extension("kvindex.indexer._payload", sources=["indexer/_payload.c"], extra_compile_args=["-O2"]),
-        Extension("kvindex.api._token_ids", sources=["api/_token_ids.c"], extra_compile_args=["-O2"]),
+        Extension("kvindex.api._id_arrays", sources=["api/_id_arrays.c"], extra_compile_args=["-O2"]),
         Extension("kvindex.api._answer", sources=["api/_answer.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
-from kvindex.api import token_ids as token_id_reader
+from kvindex.api import id_arrays
 from kvindex.indexer.scorer import PodScore
 from kvindex.indexer.status import ALL_STATES, PodStatus
 from msgspec import Meta
@@ -56,7 +56,8 @@ class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str | None = None
     # Decoded as a list; the compiled reader hands over an array('I') of the same ids (decode_score_request).
     token_ids: Sequence[TokenId] | None = None
-    block_hashes: list[EventBlockHash] | None = None
+    # Decoded as a list; the compiled reader hands over an array('Q') of the same hashes.
+    block_hashes: Sequence[EventBlockHash] | None = None
     lora_name: str | None = None
     lora_path: str | None = None
     cache_salt: str | None = None
@@ -192,21 +193,21 @@ _INSTEAD = {
 def decode_score_request(body: bytes) -> ScoreRequest:
     """Decode a request body; malformed JSON or a wrong type raises RequestError naming the field.
 
-    With the compiled reader, plain token ids come back as an array('I') read straight from the JSON (the
-    rest of the body is decoded with them replaced by null); every other body, and every failure, is
-    decode_score_request_exact's (the same values or error).
+    With the compiled reader, plain token ids come back as an array('I') and plain block hashes as an
+    array('Q'), read straight from the JSON (the rest of the body is decoded with them replaced by null);
+    every other body, and every failure, is decode_score_request_exact's (the same values or error).
     """
-    find = token_id_reader.find_token_ids
+    find = id_arrays.find_ids
     found = None if find is None else find(body)
     if found is not None:
-        packed, start, stop = found
+        key, packed, start, stop = found
         try:
             rest = SCORE_REQUEST_DECODER.decode(body[:start] + b"null" + body[stop:])
         except msgspec.DecodeError:  # ValidationError included: the exact decoder names the field
             return decode_score_request_exact(body)
-        ids = array("I")
+        ids = array(id_arrays.TYPECODES[key])
         ids.frombytes(packed)
-        return msgspec.structs.replace(rest, token_ids=ids)
+        return msgspec.structs.replace(rest, **{key: ids})
     return decode_score_request_exact(body)
 
 
@@ -267,7 +268,8 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
         _check_length("token_ids", len(request.token_ids), max_tokens)
     if request.block_hashes is not None:
         _check_length("block_hashes", len(request.block_hashes), max_tokens)
-        if max(request.block_hashes) > MAX_BLOCK_HASH:  # one C pass; the index only on failure
+        # One C pass; the index only on failure. An array('Q') (the compiled reader's) holds nothing larger.
+        if type(request.block_hashes) is not array and max(request.block_hashes) > MAX_BLOCK_HASH:
             i = next(i for i, block_hash in enumerate(request.block_hashes) if block_hash > MAX_BLOCK_HASH)
             raise RequestError(f"block_hashes[{i}]", "expected an unsigned 64-bit int (< 2**64)")
         for name in ("lora_name", "lora_path", "cache_salt", "mm"):

@@ -177,7 +177,7 @@ def _store_factory(config: ServeConfig) -> Callable[[ModelConfig], Store] | None
 def _log_settings(service: IngestService, config: ServeConfig, loop_line: str) -> None:
     """One line per model, pod and bind endpoint, so an operator can check them against the engines."""
     from kvindex.api import answer as answer_writer
-    from kvindex.api import token_ids as request_reader
+    from kvindex.api import id_arrays as request_reader
     from kvindex.hashing import compiled as hash_core
     from kvindex.indexer import compiled as index_core
 

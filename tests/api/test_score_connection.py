@@ -228,6 +228,7 @@ MISTAKES = {
     "an empty body": b"",
     "a token id that is a string": json.dumps({"model": "m", "token_ids": [1, "2"]}).encode(),
     "a negative block hash": json.dumps({"model": "m", "block_hashes": [-1]}).encode(),
+    "a block hash of 2**64": json.dumps({"model": "m", "block_hashes": [1, 2**64]}).encode(),
     "an unknown model": json.dumps({"model": "gpt-9", "token_ids": [1]}).encode(),
     "no model with two configured": json.dumps({"token_ids": [1]}).encode(),
     "an unknown adapter": json.dumps({"model": "m", "token_ids": [1], "lora_name": "nope"}).encode(),

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 from kvindex.api import answer as answer_writer
-from kvindex.api import token_ids as request_reader
+from kvindex.api import id_arrays as request_reader
 from kvindex.hashing import BlockHasher, compiled
 from kvindex.indexer import compiled as index_core
 from kvindex.replay.publisher import EventPublisher
@@ -84,7 +84,7 @@ def test_serve_stops_cleanly_on_signal(engine: EventPublisher, signum: int) -> N
     assert "model m: block size 16, hash algo sha256, seed '0' (PYTHONHASHSEED), root " in stderr
     assert stderr.count("block hashing: ") == 1 and compiled.describe() in stderr  # which hash core runs
     assert stderr.count("block index: ") == 1 and index_core.describe() in stderr  # which index core runs
-    assert stderr.count("score request token ids: ") == 1 and request_reader.describe() in stderr
+    assert stderr.count("score request ids: ") == 1 and request_reader.describe() in stderr
     assert stderr.count("score answers: ") == 1 and answer_writer.describe() in stderr
     assert (
         f"pod pod-a dp rank 0 (model m, from --pod): events {engine.endpoint}, replay {engine.replay_endpoint}"

@@ -1,8 +1,8 @@
-"""The score API's compiled token-id reader (api/_token_ids.c) against msgspec, the reference.
+"""The score API's compiled id-array reader (api/_id_arrays.c) against msgspec, the reference.
 
 The reader may decline any body (the request is then decoded by msgspec as before), but the ids it reads
-must be exactly what msgspec decodes from the same top-level key, and decode_score_request must give the
-same request or the same error either way."""
+(token ids as uint32, block hashes as uint64) must be exactly what msgspec decodes from the same top-level
+key, and decode_score_request must give the same request or the same error either way."""
 
 from __future__ import annotations
 
@@ -16,49 +16,71 @@ import pytest
 from extensions import require_built
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvindex.api import token_ids as reader
+from kvindex.api import id_arrays as reader
+from kvindex.api.id_arrays import TYPECODES, FindIds
 from kvindex.api.schemas import (
+    MAX_BLOCK_HASH,
+    EventBlockHash,
     RequestError,
     ScoreRequest,
     TokenId,
     decode_score_request,
     decode_score_request_exact,
+    validate_score_request,
 )
-from kvindex.api.token_ids import FindTokenIds
 
-find_token_ids = reader.load_extension()
-IDS = msgspec.json.Decoder(list[TokenId])
+find_ids = reader.load_extension()
+# What msgspec decodes each key's array to; block hashes have their 2**64 ceiling checked after decoding.
+DECODERS = {
+    "token_ids": msgspec.json.Decoder(list[TokenId]),
+    "block_hashes": msgspec.json.Decoder(list[EventBlockHash]),
+}
+KEYS = sorted(DECODERS)
 WHITESPACE = st.sampled_from(["", " ", "\n", "\t", "\r\n", "  "])
 token_id = st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1))
+# Block hashes of every length, and the edges where 8-digit chunks and the 2**64 ceiling meet.
+block_hash = st.one_of(
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 10**9),
+    st.sampled_from([10**k + d for k in range(21) for d in (-1, 0, 1)]).filter(
+        lambda v: 0 <= v <= MAX_BLOCK_HASH
+    ),
+)
+IDS_OF = {"token_ids": token_id, "block_hashes": block_hash}
 
 
-def built() -> FindTokenIds:
-    return require_built(find_token_ids, "kvindex.api._token_ids", "a C compiler")
+def built() -> FindIds:
+    return require_built(find_ids, "kvindex.api._id_arrays", "a C compiler")
 
 
-def read_ids(array_text: bytes) -> bytes | None:
-    """The reader's packed ids of `{"token_ids": <array_text>}`, checking the span it reports."""
-    body = b'{"model": "m", "token_ids": ' + array_text + b"}"
+def read_ids(array_text: bytes, key: str = "token_ids") -> bytes | None:
+    """The reader's packed ids of `{"<key>": <array_text>}`, checking the key and span it reports."""
+    body = b'{"model": "m", "' + key.encode() + b'": ' + array_text + b"}"
     found = built()(body)
     if found is None:
         return None
-    packed, start, stop = found
+    found_key, packed, start, stop = found
+    assert found_key == key
     assert body[start:stop] == array_text.strip(b" \t\r\n")
     return packed
 
 
-def _reference(text: bytes) -> bytes | None:
-    """What msgspec decodes `text` to as a list of token ids, packed; None if it refuses it."""
+def _reference(text: bytes, key: str = "token_ids") -> bytes | None:
+    """What msgspec decodes `text` to as a list of `key`'s ids, packed; None if it refuses it (or, for block
+    hashes, if one is not below 2**64, which validate_score_request refuses)."""
     try:
-        return array("I", IDS.decode(text)).tobytes()
+        ids = DECODERS[key].decode(text)
     except msgspec.DecodeError:
         return None
+    if any(value > MAX_BLOCK_HASH for value in ids):
+        return None
+    return array(TYPECODES[key], ids).tobytes()
 
 
 @st.composite
-def spaced_arrays(draw: st.DrawFn) -> tuple[list[int], bytes]:
-    """A JSON array of valid ids, with JSON whitespace drawn around every token."""
-    ids = draw(st.lists(token_id, max_size=60))
+def spaced_arrays(draw: st.DrawFn, key: str) -> tuple[list[int], bytes]:
+    """A JSON array of valid ids for `key`, with JSON whitespace drawn around every token."""
+    ids = draw(st.lists(IDS_OF[key], max_size=60))
     parts = [draw(WHITESPACE), "["]
     for i, value in enumerate(ids):
         parts += [draw(WHITESPACE), str(value), draw(WHITESPACE)]
@@ -89,7 +111,12 @@ PIECES = st.sampled_from(
         "1E+2",
         "4294967295",
         "4294967296",
+        "9999999999999999",
+        "10000000000000000",
+        "18446744073709551615",
+        "18446744073709551616",
         "99999999999999999999",
+        "123456789012345678901",
         "true",
         "null",
         '"1"',
@@ -107,19 +134,21 @@ def array_like(draw: st.DrawFn) -> bytes:
     return ("[" + "".join(draw(st.lists(PIECES, max_size=12))) + draw(st.sampled_from(["]", ""]))).encode()
 
 
-@given(spaced_arrays())
+@pytest.mark.parametrize("key", KEYS)
+@given(data=st.data())
 @settings(max_examples=300, deadline=None)
-def test_every_plain_array_is_read_as_msgspec_decodes_it(case: tuple[list[int], bytes]) -> None:
-    ids, text = case
-    assert read_ids(text) == array("I", ids).tobytes() == _reference(text)
+def test_every_plain_array_is_read_as_msgspec_decodes_it(key: str, data: st.DataObject) -> None:
+    ids, text = data.draw(spaced_arrays(key))
+    assert read_ids(text, key) == array(TYPECODES[key], ids).tobytes() == _reference(text, key)
 
 
-@given(st.one_of(array_like(), st.binary(max_size=40)))
+@pytest.mark.parametrize("key", KEYS)
+@given(text=st.one_of(array_like(), st.binary(max_size=40)))
 @settings(max_examples=1000, deadline=None)
-def test_what_the_reader_reads_msgspec_decodes_the_same(text: bytes) -> None:
-    packed = read_ids(text)
+def test_what_the_reader_reads_msgspec_decodes_the_same(key: str, text: bytes) -> None:
+    packed = read_ids(text, key)
     if packed is not None:
-        assert packed == _reference(text)
+        assert packed == _reference(text, key)
 
 
 @pytest.mark.parametrize(
@@ -150,32 +179,65 @@ def test_what_the_reader_reads_msgspec_decodes_the_same(text: bytes) -> None:
 def test_named_shapes(text: bytes, expected: list[int] | None) -> None:
     assert read_ids(text) == (None if expected is None else array("I", expected).tobytes())
     if expected is not None:
-        assert IDS.decode(text) == expected
+        assert DECODERS["token_ids"].decode(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b"[]", []),
+        (b"[0, 7, 12345678, 123456789, 1234567890123456]", [0, 7, 12345678, 123456789, 1234567890123456]),
+        (b"[9999999999999999, 10000000000000000]", [9999999999999999, 10000000000000000]),
+        (b"[18446744073709551615]", [2**64 - 1]),
+        (b"[ 18446744073709551615 ]", [2**64 - 1]),
+        (b"[18446744073709551616]", None),
+        (b"[99999999999999999999]", None),
+        (b"[100000000000000000000]", None),
+        (b"[012345678901234567]", None),
+        (b"[-1]", None),
+        (b"[1234567890123456789.0]", None),
+        (b"[1234567890123456789e0]", None),
+        (b"[4294967296]", [4294967296]),
+    ],
+)
+def test_named_block_hash_shapes(text: bytes, expected: list[int] | None) -> None:
+    assert read_ids(text, "block_hashes") == (None if expected is None else array("Q", expected).tobytes())
+    if expected is not None:
+        assert DECODERS["block_hashes"].decode(text) == expected
 
 
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        (b'{"token_ids":[1,2]}', [1, 2]),
-        (b' {"a": "x\\"}", "token_ids" : [ 3 ] , "b": [{"token_ids": [9]}, "]"]} ', [3]),
-        (b'{"s": "\\\\", "token_ids": [4]}', [4]),  # an escaped backslash ends the string after it
-        (b'{"s": "\\"token_ids\\": [5]", "token_ids": [6]}', [6]),  # a key inside a string is not one
+        (b'{"token_ids":[1,2]}', ("token_ids", [1, 2])),
+        (b' {"a": "x\\"}", "token_ids" : [ 3 ] , "b": [{"token_ids": [9]}, "]"]} ', ("token_ids", [3])),
+        (b'{"s": "\\\\", "token_ids": [4]}', ("token_ids", [4])),  # an escaped backslash ends the string
+        (
+            b'{"s": "\\"token_ids\\": [5]", "token_ids": [6]}',
+            ("token_ids", [6]),
+        ),  # a key in a string is not one
         (b'{"token_ids": [1], "token_ids": [2]}', None),  # a duplicate: msgspec decides which counts
         (b'{"token\\u005fids": [1]}', None),  # an escaped key may spell token_ids
         (b'{"token_ids": [1]} x', None),
         (b'{"token_ids": [1]', None),
         (b'{"token_ids": null}', None),
-        (b'{"block_hashes": [1]}', None),
+        (b'{"block_hashes": [1]}', ("block_hashes", [1])),
+        (b'{"model": "m", "block_hashes": [1, 2], "answer": "compact"}', ("block_hashes", [1, 2])),
+        (b'{"block_hashes": [1], "block_hashes": [2]}', None),
+        (b'{"token_ids": [1], "block_hashes": [2]}', None),  # both: the validation names the mistake
+        (b'{"block\\u005fhashes": [1]}', None),
         (b"[1]", None),
         (b"{}", None),
         (b"", None),
     ],
 )
-def test_named_bodies(body: bytes, expected: list[int] | None) -> None:
+def test_named_bodies(body: bytes, expected: tuple[str, list[int]] | None) -> None:
     found = built()(body)
-    assert (None if found is None else found[0]) == (
-        None if expected is None else array("I", expected).tobytes()
-    )
+    if expected is None:
+        assert found is None
+    else:
+        key, ids = expected
+        assert found is not None and found[:2] == (key, array(TYPECODES[key], ids).tobytes())
 
 
 def test_it_refuses_what_has_no_buffer() -> None:
@@ -189,18 +251,21 @@ def reader_path(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "compiled":
         built()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reader, "find_token_ids", find_token_ids if request.param == "compiled" else None)
+        patch.setattr(reader, "find_ids", find_ids if request.param == "compiled" else None)
         yield str(request.param)
 
 
 def _outcome(decode: Any, body: bytes) -> tuple[str, Any]:
+    """The decoded and validated request, as plain values, or the error."""
     try:
         request = decode(body)
+        validate_score_request(request, max_tokens=8192)
     except RequestError as exc:
         return "error", str(exc)
     fields = msgspec.structs.asdict(request)
-    if fields["token_ids"] is not None:
-        fields["token_ids"] = list(fields["token_ids"])
+    for key in KEYS:
+        if fields[key] is not None:
+            fields[key] = list(fields[key])
     return "request", fields
 
 
@@ -216,7 +281,9 @@ BODY_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "token_ids": st.one_of(
         st.lists(token_id, max_size=20), st.none(), st.just("1,2"), st.lists(st.integers())
     ),
-    "block_hashes": st.one_of(st.lists(st.integers(0, 2**64 - 1), max_size=5), st.none()),
+    "block_hashes": st.one_of(
+        st.lists(block_hash, max_size=5), st.none(), st.lists(st.integers(-1, 2**65), max_size=3)
+    ),
     "lora_name": st.one_of(st.text(max_size=5), st.none()),
     "pods": st.one_of(st.lists(TRICKY_TEXT, max_size=3), st.none()),
     # Not a field: refused, but its value (nested token_ids keys, brackets in strings) must be stepped over.
@@ -244,8 +311,10 @@ def bodies(draw: st.DrawFn) -> bytes:
 
 @st.composite
 def good_bodies(draw: st.DrawFn) -> bytes:
-    """Requests that score: plain token ids among other fields whose strings the reader must step over."""
-    fields: dict[str, Any] = {"token_ids": draw(st.lists(token_id, min_size=1, max_size=40))}
+    """Requests that score: plain token ids or block hashes among other fields whose strings the reader must
+    step over."""
+    key = draw(st.sampled_from(KEYS))
+    fields: dict[str, Any] = {key: draw(st.lists(IDS_OF[key], min_size=1, max_size=40))}
     for name, values in [
         ("model", TRICKY_TEXT),
         ("cache_salt", TRICKY_TEXT),
@@ -272,9 +341,13 @@ def test_a_request_decodes_the_same_with_either_path(reader_path: str, body: byt
     assert _outcome(decode_score_request, body) == _outcome(decode_score_request_exact, body)
 
 
-def test_plain_token_ids_come_packed_only_with_the_reader(reader_path: str) -> None:
+def test_plain_ids_come_packed_only_with_the_reader(reader_path: str) -> None:
     request = decode_score_request(b'{"model": "m", "token_ids": [3, 1, 4, 1, 5]}')
     assert isinstance(request, ScoreRequest)
     assert list(request.token_ids or []) == [3, 1, 4, 1, 5]
     assert type(request.token_ids) is (array if reader_path == "compiled" else list)
-    assert decode_score_request(b'{"block_hashes": [7]}').token_ids is None
+    assert request.block_hashes is None
+    request = decode_score_request(b'{"block_hashes": [7, 18446744073709551615]}')
+    assert list(request.block_hashes or []) == [7, 2**64 - 1]
+    assert type(request.block_hashes) is (array if reader_path == "compiled" else list)
+    assert request.token_ids is None

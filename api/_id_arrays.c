@@ -1,0 +1,430 @@
+/* kvindex.api._id_arrays: a score request's `token_ids` or `block_hashes` read straight from its JSON body
+ * into native integers: token ids as uint32, the form the hasher's memo keys on (array('I', ids).tobytes()),
+ * block hashes as uint64, the form the index's lookup reads in place (array('Q', keys).tobytes()).
+ *
+ * Decoding 8,192 ids into a list of PyLongs was the largest server-side cost of a token request (~165 us
+ * with msgspec, then ~15 us to pack them again for the memo); 512 block hashes cost ~25 us to decode and
+ * ~6 us to range-check. Here one pass over the body finds the top-level key and reads its digits into the
+ * packed form, with no Python object per id; the caller has msgspec decode the rest of the body with the
+ * array's bytes replaced by `null`.
+ *
+ * Only the plain shape is read: an object with exactly one top-level "token_ids" or "block_hashes" key
+ * (not both, and no top-level key with an escape, which could spell either another way), whose value is
+ * `[`, ints in range (token ids below 2**32, block hashes below 2**64) written as JSON writes them (no
+ * sign, fraction, exponent or leading zero), separated by commas, `]`, with JSON whitespace anywhere
+ * between. Anything else returns None and the caller decodes the whole body with msgspec, which accepts
+ * or refuses it with its exact message: this reader never judges a request, it only declines it. Of the
+ * other values only the extent is found here; msgspec checks them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+static inline int
+is_ws(unsigned char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+static const unsigned char *
+skip_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && is_ws(*p)) {
+        p++;
+    }
+    return p;
+}
+
+/* The 8 bytes at p as one little-endian word (the first byte lowest). */
+static inline uint64_t
+load8(const unsigned char *p)
+{
+    uint64_t chunk;
+
+    memcpy(&chunk, p, sizeof chunk);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    chunk = __builtin_bswap64(chunk);
+#endif
+    return chunk;
+}
+
+/* A byte's top bit: below '0' (c - 0x30 borrows) or above '9' (c + 0x46 reaches 0x80). Borrows and carries
+ * only run upwards, so the lowest flagged byte is the first non-digit. */
+static inline uint64_t
+non_digits(uint64_t chunk)
+{
+    return ((chunk - 0x3030303030303030ULL) | (chunk + 0x4646464646464646ULL)) & 0x8080808080808080ULL;
+}
+
+/* The value of the first `width` (1 to 8) bytes of `chunk`, all digits. Their values, moved to the top
+ * bytes (the first digit, the most significant, lowest), then combined pairwise: 8 one-digit lanes -> 4 of
+ * two digits -> 2 of four -> 1. */
+static inline uint64_t
+digits_value(uint64_t chunk, int width)
+{
+    uint64_t d = ((chunk - 0x3030303030303030ULL) & (~0ULL >> (64 - 8 * width))) << (64 - 8 * width);
+
+    d = (d * 10 + (d >> 8)) & 0x00FF00FF00FF00FFULL;
+    d = (d * 100 + (d >> 16)) & 0x0000FFFF0000FFFFULL;
+    return (d * 10000 + (d >> 32)) & 0x00000000FFFFFFFFULL;
+}
+
+/* The run of fewer than 8 digits starting at p (8 readable bytes), as *value; returns its length, 8 if
+ * the 8 bytes are all digits (value then unset). Branch-free: a branch on each id's length was
+ * mispredicted about once per id, most of this reader's time. */
+static inline int
+short_run(const unsigned char *p, uint64_t *value)
+{
+    uint64_t chunk = load8(p);
+    uint64_t non_digit = non_digits(chunk);
+    int width;
+
+    if (non_digit == 0) {
+        return 8;
+    }
+    width = __builtin_ctzll(non_digit) >> 3;
+    *value = width == 0 ? 0 : digits_value(chunk, width);
+    return width;
+}
+
+/* The token id (below 2**32) whose digits start at p, as *value; returns the byte after its digits, or NULL
+ * for no digit, a leading zero or an id out of range. */
+static inline const unsigned char *
+read_u32(const unsigned char *p, const unsigned char *end, uint64_t *value)
+{
+    const unsigned char *digits = p;
+    int width = 8;
+
+    *value = 0;
+    if (end - p >= 8) {
+        width = short_run(p, value);
+        p += width;
+    }
+    if (width == 8) { /* near the end, or 8 digits or more: one at a time */
+        p = digits;
+        *value = 0;
+        while ((unsigned)(*p - '0') < 10u) {
+            p++;
+        }
+        if (p - digits > 10) {
+            return NULL; /* too many for 32 bits */
+        }
+        for (const unsigned char *d = digits; d < p; d++) {
+            *value = *value * 10 + (uint64_t)(*d - '0');
+        }
+    }
+    if (p == digits || (*digits == '0' && p - digits > 1) || p > end || *value > UINT32_MAX) {
+        return NULL;
+    }
+    return p;
+}
+
+static const uint64_t POWERS_OF_TEN[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
+
+/* The block hash (below 2**64) whose digits start at p, as *value; returns the byte after its digits, or
+ * NULL for no digit, a leading zero or a hash out of range. Hashes are mostly 19 or 20 digits: the first
+ * 16 are read 8 at a time, the rest one at a time with overflow checks. */
+static inline const unsigned char *
+read_u64(const unsigned char *p, const unsigned char *end, uint64_t *value)
+{
+    const unsigned char *digits = p;
+    uint64_t total = 0;
+
+    while (end - p >= 8 && p - digits < 16) {
+        uint64_t chunk = load8(p);
+        uint64_t non_digit = non_digits(chunk);
+
+        if (non_digit != 0) { /* the run ends in these 8 bytes: at most 15 digits, no overflow */
+            int width = __builtin_ctzll(non_digit) >> 3;
+
+            if (width > 0) {
+                total = total * POWERS_OF_TEN[width] + digits_value(chunk, width);
+                p += width;
+            }
+            goto done;
+        }
+        total = total * 100000000 + digits_value(chunk, 8);
+        p += 8;
+    }
+    while ((unsigned)(*p - '0') < 10u) { /* the input's NUL terminator stops this too */
+        if (__builtin_mul_overflow(total, 10, &total) || __builtin_add_overflow(total, (uint64_t)(*p - '0'), &total)) {
+            return NULL;
+        }
+        p++;
+    }
+done:
+    if (p == digits || (*digits == '0' && p - digits > 1) || p > end) {
+        return NULL;
+    }
+    *value = total;
+    return p;
+}
+
+/* A plain array at p (no leading whitespace): its ids written to out (uint64 if `wide`, else uint32; room
+ * for one id per two bytes of the input), *count set; returns the byte after its `]`, or NULL if it is not
+ * a plain array. The input must be followed by a NUL byte (a bytes object's terminator), which stops every
+ * digit and space run. Inlined with a constant `wide`, so each width gets its own loop. */
+static inline const unsigned char *
+parse_array(const unsigned char *p, const unsigned char *end, void *out, int wide, Py_ssize_t *count)
+{
+    Py_ssize_t n = 0;
+
+    if (p == end || *p++ != '[') {
+        return NULL;
+    }
+    p = skip_ws(p, end);
+    if (p < end && *p == ']') {
+        *count = 0;
+        return p + 1;
+    }
+    for (;;) {
+        uint64_t value;
+
+        p = wide ? read_u64(p, end, &value) : read_u32(p, end, &value);
+        if (p == NULL) {
+            return NULL; /* no digit, a leading zero (not JSON), or out of range */
+        }
+        if (wide) {
+            ((uint64_t *)out)[n++] = value;
+        } else {
+            ((uint32_t *)out)[n++] = (uint32_t)value;
+        }
+        if (*p == ',') { /* the common case: no space after an id */
+            p++;
+        } else {
+            p = skip_ws(p, end);
+            if (p == end) {
+                return NULL;
+            }
+            if (*p == ']') {
+                *count = n;
+                return p + 1;
+            }
+            if (*p != ',') {
+                return NULL; /* a fraction, an exponent, or anything but a separator */
+            }
+            p++;
+        }
+        if (is_ws(*p)) {
+            p = skip_ws(p, end);
+        }
+    }
+}
+
+/* The byte after the JSON string starting at p (its opening quote); NULL if it does not end. */
+static const unsigned char *
+skip_string(const unsigned char *p, const unsigned char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '"') {
+            return p + 1;
+        }
+        if (*p == '\\') {
+            p++; /* the escaped character, whatever it is: only the string's end matters here */
+        }
+    }
+    return NULL;
+}
+
+/* The byte after the JSON value starting at p. Only its extent is found (strings, and brackets outside
+ * strings): whether it is well formed is left to msgspec, which decodes everything but token_ids. */
+static const unsigned char *
+skip_value(const unsigned char *p, const unsigned char *end)
+{
+    Py_ssize_t depth = 0;
+
+    if (p == end) {
+        return NULL;
+    }
+    if (*p == '"') {
+        return skip_string(p, end);
+    }
+    if (*p != '[' && *p != '{') {
+        while (p < end && !is_ws(*p) && *p != ',' && *p != '}' && *p != ']') {
+            p++;
+        }
+        return p;
+    }
+    while (p < end) {
+        unsigned char c = *p;
+
+        if (c == '"') {
+            p = skip_string(p, end);
+            if (p == NULL) {
+                return NULL;
+            }
+            continue;
+        }
+        if (c == '[' || c == '{') {
+            depth++;
+        } else if (c == ']' || c == '}') {
+            if (--depth == 0) {
+                return p + 1;
+            }
+        }
+        p++;
+    }
+    return NULL;
+}
+
+/* The two keys this reader reads, by index: their names, and whether their ids are 64-bit. */
+static const char *const KEYS[2] = {"token_ids", "block_hashes"};
+static const int WIDE[2] = {0, 1};
+
+/* Which of KEYS the key [key, key_end) is, or -1. */
+static int
+key_index(const unsigned char *key, const unsigned char *key_end)
+{
+    size_t len = (size_t)(key_end - key);
+
+    for (int i = 0; i < 2; i++) {
+        if (len == strlen(KEYS[i]) && memcmp(key, KEYS[i], len) == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* In the JSON object [p, end): the span of the value of its one top-level token_ids or block_hashes key,
+ * which must be a plain array (ids to out, *count set). Returns the key's index in KEYS if found; -1 if the
+ * body is not that shape: not an object, a top-level key with an escape (it could spell either), neither
+ * key, both or one twice, or one that is not plain. */
+static int
+find_ids(const unsigned char *body, const unsigned char *end, void *out, Py_ssize_t *count,
+         Py_ssize_t *start, Py_ssize_t *stop)
+{
+    const unsigned char *p = skip_ws(body, end);
+    int found = -1;
+
+    if (p == end || *p++ != '{') {
+        return -1;
+    }
+    p = skip_ws(p, end);
+    if (p < end && *p == '}') {
+        return -1;
+    }
+    for (;;) {
+        const unsigned char *key;
+        const unsigned char *key_end;
+        int which;
+
+        if (p == end || *p != '"') {
+            return -1;
+        }
+        key = p + 1;
+        key_end = skip_string(p, end);
+        if (key_end == NULL || memchr(key, '\\', (size_t)(key_end - 1 - key)) != NULL) {
+            return -1;
+        }
+        which = key_index(key, key_end - 1);
+        p = skip_ws(key_end, end);
+        if (p == end || *p++ != ':') {
+            return -1;
+        }
+        p = skip_ws(p, end);
+        if (which >= 0) {
+            const unsigned char *after;
+
+            if (found >= 0) {
+                return -1; /* a duplicate, or both: msgspec and the validation answer those */
+            }
+            after = WIDE[which] ? parse_array(p, end, out, 1, count) : parse_array(p, end, out, 0, count);
+            if (after == NULL) {
+                return -1;
+            }
+            found = which;
+            *start = p - body;
+            *stop = after - body;
+            p = after;
+        } else {
+            p = skip_value(p, end);
+            if (p == NULL) {
+                return -1;
+            }
+        }
+        p = skip_ws(p, end);
+        if (p == end) {
+            return -1;
+        }
+        if (*p == ',') {
+            p = skip_ws(p + 1, end);
+            continue;
+        }
+        if (*p == '}') {
+            break;
+        }
+        return -1;
+    }
+    return skip_ws(p + 1, end) == end ? found : -1;
+}
+
+PyDoc_STRVAR(find_ids_doc,
+"find_ids(body, /)\n--\n\n"
+"In a score request's JSON body (bytes): (key, packed, start, stop) where key is 'token_ids' or\n"
+"'block_hashes', packed the array's ids as native uint32 or uint64, and [start, stop) the array's bytes;\n"
+"None unless the body is an object with exactly one of those keys, once, a plain array of ints in range\n"
+"(below 2**32, 2**64), and no top-level key with an escape.");
+
+static PyObject *
+find_ids_py(PyObject *module, PyObject *arg)
+{
+    Py_buffer view;
+    uint64_t *ids;
+    Py_ssize_t count = 0;
+    Py_ssize_t start = 0;
+    Py_ssize_t stop = 0;
+    PyObject *result;
+    int which;
+
+    (void)module;
+    if (!PyBytes_Check(arg)) { /* parse_array relies on the NUL byte after a bytes object's data */
+        PyErr_SetString(PyExc_TypeError, "find_ids() wants bytes");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    /* One id per two bytes of input is always enough room: each id takes a digit and a separator. */
+    ids = PyMem_Malloc((size_t)(view.len / 2 + 1) * sizeof(uint64_t));
+    if (ids == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    which = find_ids((const unsigned char *)view.buf, (const unsigned char *)view.buf + view.len, ids, &count,
+                     &start, &stop);
+    if (which >= 0) {
+        Py_ssize_t size = WIDE[which] ? (Py_ssize_t)sizeof(uint64_t) : (Py_ssize_t)sizeof(uint32_t);
+
+        result = Py_BuildValue("(sy#nn)", KEYS[which], (const char *)ids, count * size, start, stop);
+    } else {
+        result = Py_NewRef(Py_None);
+    }
+    PyMem_Free(ids);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef id_arrays_methods[] = {
+    {"find_ids", find_ids_py, METH_O, find_ids_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef id_arrays_module = {
+    PyModuleDef_HEAD_INIT,
+    "kvindex.api._id_arrays",
+    "A score request's token_ids or block_hashes read straight into packed native integers.",
+    0,
+    id_arrays_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__id_arrays(void)
+{
+    return PyModule_Create(&id_arrays_module);
+}
