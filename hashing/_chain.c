@@ -267,6 +267,21 @@ small_value(PyObject *item)
 #endif
 }
 
+/* The int objects of a prompt fresh from a JSON decode lie scattered over the heap, and reading them is
+ * most of packing a memoised prompt: each loop over them fetches the object PREFETCH_IDS ids ahead, so the
+ * misses overlap. 64 measured best (hot sha256 workload, alternating with vLLM's formula: +14% blocks/s;
+ * 8, 16, 32 and 128 gained less). */
+#define PREFETCH_IDS 64
+
+/* A macro, not a static inline function: GCC 12 -O2 emitted no prefetch at all for the function once it
+ * had more than one caller. */
+#define PREFETCH_ID(items, i, count)                                                                        \
+    do {                                                                                                   \
+        if ((i) + PREFETCH_IDS < (count)) {                                                                \
+            __builtin_prefetch((items)[(i) + PREFETCH_IDS]);                                               \
+        }                                                                                                  \
+    } while (0)
+
 /* The token ids as uint64; 0 on success, 1 if one is not an exact int in [0, 2**64) (no exception). */
 static int
 read_tokens(PyObject *const *items, Py_ssize_t count, uint64_t *out)
@@ -274,6 +289,7 @@ read_tokens(PyObject *const *items, Py_ssize_t count, uint64_t *out)
     Py_ssize_t i;
 
     for (i = 0; i < count; i++) {
+        PREFETCH_ID(items, i, count);
         if (!PyLong_CheckExact(items[i])) {
             return 1;
         }
@@ -489,6 +505,7 @@ pack_ids(PyObject *module, PyObject *seq)
         unsigned long value;
         long small;
 
+        PREFETCH_ID(items, i, count);
         if (!PyLong_CheckExact(items[i])) {
             Py_DECREF(packed);
             Py_RETURN_NONE;
@@ -625,6 +642,7 @@ pack_ids_tagged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t stop = t < num_tags ? i + seg_ids : count;
         uint64_t v1 = XXH_P1 + XXH_P2, v2 = XXH_P2, v3 = 0, v4 = 0 - XXH_P1;
         for (; i < stop; i++) {
+            PREFETCH_ID(items, i, count);
             if (!PyLong_CheckExact(items[i])) {
                 goto refuse;
             }
