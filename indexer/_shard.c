@@ -866,12 +866,12 @@ as_lookup_key(PyObject *key_object, uint64_t *key)
     return 1;
 }
 
-/* The ids holding `key` (borrowed), NULL with no error set when nobody does, NULL with an error on
- * failure. *last is the previous multi holder's answer, updated when this one is a multi holder too. */
+/* The ids holding node `n` (NIL: nobody holds its key) (borrowed), NULL with no error set when nobody
+ * does, NULL with an error on failure. *last is the previous multi holder's answer, updated when this one
+ * is a multi holder too. */
 static PyObject *
-ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
+ids_of_node(ShardObject *self, uint32_t n, PyObject *single_ids, PyObject **last)
 {
-    uint32_t n = find_node(self, key);
     if (n == NIL) {
         return NULL;
     }
@@ -891,8 +891,28 @@ ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
     return ids;
 }
 
-/* Keys are read LOOKUP_CHUNK at a time, their slots and nodes prefetched, then resolved in order. */
-#define LOOKUP_CHUNK 16
+/* ids_of_node of the node holding `key`. */
+static PyObject *
+ids_of(ShardObject *self, uint64_t key, PyObject *single_ids, PyObject **last)
+{
+    return ids_of_node(self, find_node(self, key), single_ids, last);
+}
+
+/* Keys are read LOOKUP_CHUNK at a time and resolved in order once their three dependent misses (slot,
+ * node, and a multi holder's record) have each been asked for, chunk-wide, one stage after another. */
+#define LOOKUP_CHUNK 32
+
+/* The node of `key` (found: its slot and node have been asked for), with a multi holder's record asked for
+ * too. */
+static inline uint32_t
+find_prefetching_holder(ShardObject *self, uint64_t key)
+{
+    uint32_t n = find_node(self, key);
+    if (n != NIL && !IS_SINGLE(self->nodes[n].holder)) {
+        __builtin_prefetch(MULTI(self->nodes[n].holder));
+    }
+    return n;
+}
 
 /* The lookup's keys: a packed array('Q') (read in place, no int object per key) or a sequence of ints. */
 typedef struct {
@@ -954,6 +974,7 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *last = NULL;
     uint64_t keys[LOOKUP_CHUNK];
+    uint32_t nodes[LOOKUP_CHUNK];
     int failed = 0;
     for (Py_ssize_t base = 0; base < source.size && !failed; base += LOOKUP_CHUNK) {
         Py_ssize_t chunk = source.size - base < LOOKUP_CHUNK ? source.size - base : LOOKUP_CHUNK;
@@ -976,9 +997,12 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t j = 0; j < valid; j++) {
             prefetch_node(self, keys[j]);
         }
+        for (Py_ssize_t j = 0; j < valid; j++) {
+            nodes[j] = find_prefetching_holder(self, keys[j]);
+        }
         Py_ssize_t j = 0;
         for (; j < valid; j++) {
-            PyObject *ids = ids_of(self, keys[j], args[1], &last);
+            PyObject *ids = ids_of_node(self, nodes[j], args[1], &last);
             if (ids == NULL) {
                 failed = PyErr_Occurred() != NULL;
                 break;
