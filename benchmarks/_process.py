@@ -6,6 +6,7 @@ measurement floor (benchmarks/floor.py), so every subject is handled — and its
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import select
@@ -14,9 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, ParamSpec, Self, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # What a server of ours prints once it accepts connections (`kvindex serve`, benchmarks/floor.py).
 LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
@@ -29,6 +34,13 @@ def await_condition(condition: Callable[[], bool], timeout_s: float, what: str, 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(poll_s)  # ok: polling helper with a deadline
+
+
+def in_fresh_process(function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """`function(*args, **kwargs)` in a new interpreter (spawned, not forked), for a measurement that the
+    state this process has built up (its heap, its caches) must not colour."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args, **kwargs).result()
 
 
 def process_rss_bytes(pid: int) -> int:

@@ -124,6 +124,22 @@ def compare(
     return base_rate, ours_rate
 
 
+def speedups(quick: bool) -> list[tuple[str, str, float, float]]:
+    """(algo, workload, vLLM's blocks/s, kvindex's blocks/s) of every algorithm on cold prompts and hot
+    conversations: the hashing rows of `python -m benchmarks`."""
+    cold_count, conversations, repeats = (2, 2, 1) if quick else (12, 4, 5)
+    turn_tokens = 1024 if quick else 256
+    rng = random.Random(20261130)
+    prompts = {"cold": cold_prompts(rng, cold_count), "hot": hot_prompts(rng, conversations, turn_tokens)}
+    rates: list[tuple[str, str, float, float]] = []
+    for algo in ("sha256",) if quick else HASH_ALGOS:
+        baseline = vllm_formula(algo)
+        for workload, workload_prompts in prompts.items():
+            base_rate, ours_rate = compare(baseline, algo, workload_prompts, repeats)
+            rates.append((algo, workload, base_rate, ours_rate))
+    return rates
+
+
 BOUNDED_HEADERS = ["held blocks of 512", "whole µs/prompt", "stopped µs/prompt", "stopped/whole"]
 
 
