@@ -151,6 +151,93 @@ def test_what_the_reader_reads_msgspec_decodes_the_same(key: str, text: bytes) -
         assert packed == _reference(text, key)
 
 
+# Long arrays, with every kind of unexpected byte tried at every offset (a reader that takes the array in
+# blocks, or stripes, must hand each of them to its exact path).
+long_token_id = st.one_of(st.integers(0, 9), st.integers(0, 999_999), st.integers(0, 2**32 - 1))
+DAMAGE = st.sampled_from(
+    [
+        b"x",
+        b"-",
+        b".",
+        b"e",
+        b",",
+        b" ",
+        b"  ",
+        b"]",
+        b"[",
+        b"0",
+        b"00",
+        b"\x00",
+        "\u00e9".encode(),
+        b'"',
+        b"\n",
+    ]
+)
+
+
+@st.composite
+def long_arrays(draw: st.DrawFn) -> tuple[list[int], bytes]:
+    ids = draw(st.lists(long_token_id, min_size=10, max_size=400))
+    spacing = draw(st.sampled_from(["", " ", "mixed"]))
+    parts = ["["]
+    for i, value in enumerate(ids):
+        parts.append(str(value))
+        if i < len(ids) - 1:
+            parts.append(",")
+            parts.append(draw(WHITESPACE) if spacing == "mixed" else spacing)
+    parts.append("]")
+    return ids, "".join(parts).encode()
+
+
+@given(long_arrays())
+@settings(max_examples=300, deadline=None)
+def test_long_plain_arrays_are_read_as_msgspec_decodes_them(case: tuple[list[int], bytes]) -> None:
+    ids, text = case
+    assert read_ids(text) == array("I", ids).tobytes() == _reference(text)
+
+
+@given(case=long_arrays(), data=st.data())
+@settings(max_examples=500, deadline=None)
+def test_a_long_array_damaged_anywhere_is_read_as_msgspec_reads_it_or_declined(
+    case: tuple[list[int], bytes], data: st.DataObject
+) -> None:
+    _, text = case
+    at = data.draw(st.integers(0, len(text)))
+    cut = data.draw(st.sampled_from([0, 1]))  # insert the damage, or replace the byte there with it
+    damaged = text[:at] + data.draw(DAMAGE) + text[at + cut :]
+    packed = read_ids(damaged)
+    if packed is not None:  # declining is always allowed: msgspec then decides
+        assert packed == _reference(damaged)
+
+
+@pytest.mark.parametrize("separator", [b",", b", ", b" ,\n "])
+def test_every_anomaly_at_every_offset_of_a_long_array_is_read_right_or_declined(separator: bytes) -> None:
+    text = b"[" + separator.join(str(i * 7919 % 100_000).encode() for i in range(90)) + b"]"
+    anomalies = [
+        b"1 2 3",
+        b"1 2",
+        b",,",
+        b", ,",
+        b"01",
+        b"-1",
+        b"1.5",
+        b"1e3",
+        b"12345678",
+        b"x",
+        b"]",
+        b"\x00",
+    ]
+    read = 0
+    for at in range(1, len(text)):
+        for anomaly in anomalies:
+            damaged = text[:at] + anomaly + text[at:]
+            packed = read_ids(damaged)
+            if packed is not None:
+                assert packed == _reference(damaged), (at, anomaly)
+                read += 1
+    assert read > 0  # some insertions (an id of 8 digits between two commas, ...) are plain arrays still
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
