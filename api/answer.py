@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 from kvindex.api.schemas import JSON_ENCODER
-from kvindex.hashing.compiled import pure_python_forced
+from kvindex.hashing.compiled import describe_choice, pure_python_forced
 from kvindex.indexer.events import PodRef
 from kvindex.indexer.index import HolderIds
 from kvindex.indexer.scorer import PodScore, score_holders
@@ -61,11 +61,8 @@ encode_scores: EncodeScores | None = None if pure_python_forced() else load_exte
 
 def describe() -> str:
     """One line for the logs: which writer runs."""
-    if encode_scores is not None:
-        return "score answers: compiled writer"
-    if pure_python_forced():
-        return "score answers: Python (KVINDEX_PURE_PYTHON is set)"
-    return "score answers: Python (the compiled writer was not built)"
+    compiled = "compiled writer" if encode_scores is not None else None
+    return describe_choice("score answers", compiled, "Python", "the compiled writer")
 
 
 class AnswerPolicy(msgspec.Struct, frozen=True):

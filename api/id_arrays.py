@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvindex.hashing.compiled import pure_python_forced
+from kvindex.hashing.compiled import describe_choice, pure_python_forced
 
 # body -> (which key: "token_ids" or "block_hashes", its array packed as native uint32 or uint64, start,
 # stop of the array's bytes) or None.
@@ -36,8 +36,5 @@ find_ids: FindIds | None = None if pure_python_forced() else load_extension()
 
 def describe() -> str:
     """One line for the logs: which reader runs."""
-    if find_ids is not None:
-        return "score request ids: compiled reader"
-    if pure_python_forced():
-        return "score request ids: msgspec (KVINDEX_PURE_PYTHON is set)"
-    return "score request ids: msgspec (the compiled reader was not built)"
+    compiled = "compiled reader" if find_ids is not None else None
+    return describe_choice("score request ids", compiled, "msgspec", "the compiled reader")

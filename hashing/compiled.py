@@ -60,6 +60,16 @@ def pure_python_forced() -> bool:
     return os.environ.get("KVINDEX_PURE_PYTHON", "") not in ("", "0")
 
 
+def describe_choice(subject: str, compiled: str | None, fallback: str, missing: str) -> str:
+    """One log line saying which of two implementations runs: `subject: compiled` when the compiled one
+    does (`compiled` is then its name), else `subject: fallback (why)`, why being KVINDEX_PURE_PYTHON or
+    `missing` not having been built."""
+    if compiled is not None:
+        return f"{subject}: {compiled}"
+    why = "KVINDEX_PURE_PYTHON is set" if pure_python_forced() else f"{missing} was not built"
+    return f"{subject}: {fallback} ({why})"
+
+
 def load_extension() -> ChainCore | None:
     """The compiled core if it was built and imports, whatever KVINDEX_PURE_PYTHON says; else None."""
     try:
@@ -81,8 +91,7 @@ def core_for(algo: str) -> ChainCore | None:
 
 def describe() -> str:
     """One line for the logs: which core runs."""
-    if chain_core is not None:
-        return "block hashing: compiled core (sha256, sha256_cbor); xxhash algorithms in pure Python"
-    if pure_python_forced():
-        return "block hashing: pure Python (KVINDEX_PURE_PYTHON is set)"
-    return "block hashing: pure Python (the compiled core was not built)"
+    compiled = "compiled core (sha256, sha256_cbor); xxhash algorithms in pure Python"
+    return describe_choice(
+        "block hashing", compiled if chain_core is not None else None, "pure Python", "the compiled core"
+    )

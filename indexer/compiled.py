@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvindex.hashing.compiled import pure_python_forced
+from kvindex.hashing.compiled import describe_choice, pure_python_forced
 from kvindex.indexer.shard import Shard, ShardCore
 
 # (capacity, max_pods_per_key) -> an empty shard.
@@ -103,8 +103,5 @@ event_span: EventSpan | None = None if pure_python_forced() else load_event_span
 
 def describe() -> str:
     """One line for the logs: which core runs."""
-    if shard_type is not Shard:
-        return "block index: compiled core"
-    if pure_python_forced():
-        return "block index: pure Python (KVINDEX_PURE_PYTHON is set)"
-    return "block index: pure Python (the compiled core was not built)"
+    compiled = "compiled core" if shard_type is not Shard else None
+    return describe_choice("block index", compiled, "pure Python", "the compiled core")
