@@ -124,20 +124,33 @@ def compare(
     return base_rate, ours_rate
 
 
+def rates(
+    workloads: dict[str, list[list[int]]], algos: Sequence[str], repeats: int
+) -> list[tuple[str, str, float, float]]:
+    """(algo, workload, vLLM's blocks/s, kvindex's blocks/s) of each algorithm on each workload (compare);
+    SystemExit if the two hash any algorithm's first prompt differently."""
+    measured: list[tuple[str, str, float, float]] = []
+    for algo in algos:
+        baseline = vllm_formula(algo)
+        check = next(iter(workloads.values()))[0]
+        if BlockHasher(algo, BLOCK_SIZE, SEED).block_hashes(check) != baseline(check):
+            raise SystemExit(
+                f"{algo}: kvindex and the vLLM formula disagree; fix hashing before benchmarking"
+            )
+        for workload, prompts in workloads.items():
+            base_rate, ours_rate = compare(baseline, algo, prompts, repeats)
+            measured.append((algo, workload, base_rate, ours_rate))
+    return measured
+
+
 def speedups(quick: bool) -> list[tuple[str, str, float, float]]:
-    """(algo, workload, vLLM's blocks/s, kvindex's blocks/s) of every algorithm on cold prompts and hot
-    conversations: the hashing rows of `python -m benchmarks`."""
+    """rates of every algorithm on cold prompts and hot conversations: the hashing rows of
+    `python -m benchmarks`."""
     cold_count, conversations, repeats = (2, 2, 1) if quick else (12, 4, 5)
     turn_tokens = 1024 if quick else 256
     rng = random.Random(20261130)
-    prompts = {"cold": cold_prompts(rng, cold_count), "hot": hot_prompts(rng, conversations, turn_tokens)}
-    rates: list[tuple[str, str, float, float]] = []
-    for algo in ("sha256",) if quick else HASH_ALGOS:
-        baseline = vllm_formula(algo)
-        for workload, workload_prompts in prompts.items():
-            base_rate, ours_rate = compare(baseline, algo, workload_prompts, repeats)
-            rates.append((algo, workload, base_rate, ours_rate))
-    return rates
+    workloads = {"cold": cold_prompts(rng, cold_count), "hot": hot_prompts(rng, conversations, turn_tokens)}
+    return rates(workloads, ("sha256",) if quick else HASH_ALGOS, repeats)
 
 
 BOUNDED_HEADERS = ["held blocks of 512", "whole µs/prompt", "stopped µs/prompt", "stopped/whole"]
@@ -199,27 +212,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "hot": hot_prompts(rng, conversations, turn_tokens),
     }
     per_prompt = PROMPT_TOKENS // BLOCK_SIZE
-    rows: list[list[object]] = []
-    for algo in HASH_ALGOS:
-        baseline = vllm_formula(algo)
-        check = workloads["cold"][0]
-        if BlockHasher(algo, BLOCK_SIZE, SEED).block_hashes(check) != baseline(check):
-            raise SystemExit(
-                f"{algo}: kvindex and the vLLM formula disagree; fix hashing before benchmarking"
-            )
-        for workload, prompts in workloads.items():
-            base_rate, ours_rate = compare(baseline, algo, prompts, repeats)
-            rows.append(
-                [
-                    algo,
-                    workload,
-                    round(base_rate),
-                    round(ours_rate),
-                    round(per_prompt / base_rate * 1e6),
-                    round(per_prompt / ours_rate * 1e6),
-                    f"{ours_rate / base_rate:.2f}x",
-                ]
-            )
+    rows: list[list[object]] = [
+        [
+            algo,
+            workload,
+            round(base_rate),
+            round(ours_rate),
+            round(per_prompt / base_rate * 1e6),
+            round(per_prompt / ours_rate * 1e6),
+            f"{ours_rate / base_rate:.2f}x",
+        ]
+        for algo, workload, base_rate, ours_rate in rates(workloads, HASH_ALGOS, repeats)
+    ]
     headers = [
         "algo",
         "workload",
