@@ -71,63 +71,14 @@ digits_value(uint64_t chunk, int width)
     return (d * 10000 + (d >> 32)) & 0x00000000FFFFFFFFULL;
 }
 
-/* The run of fewer than 8 digits starting at p (8 readable bytes), as *value; returns its length, 8 if
- * the 8 bytes are all digits (value then unset). Branch-free: a branch on each id's length was
- * mispredicted about once per id, most of this reader's time. */
-static inline int
-short_run(const unsigned char *p, uint64_t *value)
-{
-    uint64_t chunk = load8(p);
-    uint64_t non_digit = non_digits(chunk);
-    int width;
-
-    if (non_digit == 0) {
-        return 8;
-    }
-    width = __builtin_ctzll(non_digit) >> 3;
-    *value = width == 0 ? 0 : digits_value(chunk, width);
-    return width;
-}
-
-/* The token id (below 2**32) whose digits start at p, as *value; returns the byte after its digits, or NULL
- * for no digit, a leading zero or an id out of range. */
-static inline const unsigned char *
-read_u32(const unsigned char *p, const unsigned char *end, uint64_t *value)
-{
-    const unsigned char *digits = p;
-    int width = 8;
-
-    *value = 0;
-    if (end - p >= 8) {
-        width = short_run(p, value);
-        p += width;
-    }
-    if (width == 8) { /* near the end, or 8 digits or more: one at a time */
-        p = digits;
-        *value = 0;
-        while ((unsigned)(*p - '0') < 10u) {
-            p++;
-        }
-        if (p - digits > 10) {
-            return NULL; /* too many for 32 bits */
-        }
-        for (const unsigned char *d = digits; d < p; d++) {
-            *value = *value * 10 + (uint64_t)(*d - '0');
-        }
-    }
-    if (p == digits || (*digits == '0' && p - digits > 1) || p > end || *value > UINT32_MAX) {
-        return NULL;
-    }
-    return p;
-}
-
 static const uint64_t POWERS_OF_TEN[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
 
-/* The block hash (below 2**64) whose digits start at p, as *value; returns the byte after its digits, or
- * NULL for no digit, a leading zero or a hash out of range. Hashes are mostly 19 or 20 digits: the first
- * 16 are read 8 at a time, the rest one at a time with overflow checks. */
+/* The id (below 2**64) whose digits start at p, as *value; returns the byte after its digits, or NULL for
+ * no digit, a leading zero or an id of 2**64 or more. Up to 16 digits are read 8 at a time (a token id, at
+ * most 10 digits, mostly in one step), the rest one at a time with overflow checks (a block hash's 19 or
+ * 20). */
 static inline const unsigned char *
-read_u64(const unsigned char *p, const unsigned char *end, uint64_t *value)
+read_id(const unsigned char *p, const unsigned char *end, uint64_t *value)
 {
     const unsigned char *digits = p;
     uint64_t total = 0;
@@ -182,8 +133,8 @@ parse_array(const unsigned char *p, const unsigned char *end, void *out, int wid
     for (;;) {
         uint64_t value;
 
-        p = wide ? read_u64(p, end, &value) : read_u32(p, end, &value);
-        if (p == NULL) {
+        p = read_id(p, end, &value);
+        if (p == NULL || (!wide && value > UINT32_MAX)) {
             return NULL; /* no digit, a leading zero (not JSON), or out of range */
         }
         if (wide) {
