@@ -4,7 +4,8 @@ Both services are real processes on 127.0.0.1 fed by a separate publisher proces
 engine, pre-encoded vLLM 0.33 payloads from benchmarks/workload.py), on the same bytes. Each ingests alone
 while the other idles (sequential is fairer on a small box than both at once); their idle score latencies
 are then timed request by request in turn, so a stall of the shared box meets both alike. Timings use one
-HTTP client (benchmarks/service.py JsonClient) for both. Dynamo is optional: without it only kvindex's
+lean HTTP client (benchmarks/service.py TimedClient) for both: first byte sent to last byte received,
+the answer decoded and checked outside that window. Dynamo is optional: without it only kvindex's
 column is filled.
 """
 
@@ -26,6 +27,7 @@ from benchmarks.floor import FloorServer
 from benchmarks.service import (
     JsonClient,
     KvindexService,
+    TimedClient,
     blocks_per_engine_dynamo,
     blocks_per_engine_kvindex,
 )
@@ -371,10 +373,10 @@ def await_ingest(subject: Subject, round_index: int, timeout_s: float, stall_s: 
         time.sleep(POLL_S)  # ok: polling with a deadline
 
 
-def _timed_post(client: JsonClient, path: str, body: bytes) -> tuple[float, Any]:
-    began = time.perf_counter()
-    response = client.request("POST", path, body)
-    return time.perf_counter() - began, response
+def _timed_post(client: TimedClient, path: str, body: bytes) -> tuple[float, Any]:
+    """The round trip's seconds, and the answer decoded after it."""
+    elapsed, data = client.post(path, body)
+    return elapsed, json.loads(data)
 
 
 def _requests(subject: Subject, feed: Feed, kinds: Sequence[str]) -> dict[str, list[tuple[str, bytes]]]:
@@ -400,7 +402,7 @@ def time_queries_during(
     cycling through the queries (at most `max_rounds` times) while `keep_going` stays true, asked every 10
     queries: samples only while an ingest round is still running (no warm-up: a request stalled behind
     ingest must be counted, not hidden)."""
-    client = JsonClient(subject.port)
+    client = TimedClient(subject.port)
     results = {kind: Latencies() for kind in requests}
     # The cyclic collector stays out of the timed loop (as timeit keeps it out): a collection in this
     # client lands on whichever request it interrupts, of either service (seen: 10-35 ms pauses with
@@ -505,9 +507,9 @@ def time_queries_paired(
     requests, its answers not checked; its latencies come last."""
     if not subjects:  # every service failed before its queries
         return []
-    clients = [JsonClient(subject.port) for subject in subjects]
+    clients = [TimedClient(subject.port) for subject in subjects]
     if floor_port is not None:
-        clients.append(JsonClient(floor_port))
+        clients.append(TimedClient(floor_port))
         requests = [*requests, requests[0]]
     results = [{kind: Latencies() for kind in made} for made in requests]
     gc_was_enabled = gc.isenabled()
@@ -515,7 +517,7 @@ def time_queries_paired(
     try:
         for client, made in zip(clients, requests, strict=True):
             for path, body in next(iter(made.values()))[:3]:  # untimed warm-up
-                client.request("POST", path, body)
+                client.post(path, body)
         order = list(range(len(clients)))
         for index, query in enumerate(feed.queries):
             for kind in requests[0]:
