@@ -809,29 +809,49 @@ canonical_entry(uint32_t entry, PyObject *single_ids)
     return entry_object(entry);
 }
 
-/* The lookup answer for a multi holder: its cached tuple, else `last` if it has the same ids in the same
- * order (the blocks of a shared prefix then share one tuple, as shard.py's interning makes them), else a
- * new one. Borrowed. */
+/* Whether `ids` (a tuple of entry id ints) holds exactly the multi holder's entries, in order. */
+static int
+ids_match(PyObject *ids, const Multi *multi)
+{
+    if (PyTuple_GET_SIZE(ids) != (Py_ssize_t)multi->len) {
+        return 0;
+    }
+    for (uint32_t i = 0; i < multi->len; i++) {
+        if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(ids, i)) != multi->items[i].entry) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The lookup answer for a multi holder: its cached tuple, else `last` or one of the shard's recently made
+ * tuples if it has the same ids in the same order, else a new one. Borrowed. Equal answers are one tuple,
+ * as shard.py's interning makes them, whatever order the keys were first read in (a prompt hashed while
+ * its blocks are looked up reads its prefix one key per lookup): the blocks of a shared prefix share one
+ * tuple, and the answer writer sees runs by identity instead of comparing ~100 ids a block. */
 static PyObject *
-multi_ids(Multi *multi, PyObject *last, PyObject *single_ids)
+multi_ids(ShardObject *self, Multi *multi, PyObject *last, PyObject *single_ids)
 {
     if (multi->ids != NULL) {
         return multi->ids;
     }
-    if (last != NULL && PyTuple_GET_SIZE(last) == (Py_ssize_t)multi->len) {
-        uint32_t i;
-        for (i = 0; i < multi->len; i++) {
-            if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(last, i)) != multi->items[i].entry) {
-                break;
-            }
-        }
-        if (i == multi->len) {
-            Py_INCREF(last);
-            multi->ids = last;
-            return last;
-        }
+    PyObject *ids = NULL;
+    if (last != NULL && ids_match(last, multi)) {
+        ids = last;
     }
-    PyObject *ids = PyTuple_New(multi->len);
+    uint64_t mix = multi->len;
+    for (uint32_t i = 0; i < multi->len; i++) {
+        mix = (mix ^ multi->items[i].entry) * 0x9E3779B97F4A7C15ULL;
+    }
+    PyObject **recent = &self->recent_ids[(mix >> 32) & (RECENT_IDS - 1)];
+    if (ids == NULL && *recent != NULL && ids_match(*recent, multi)) {
+        ids = *recent;
+    }
+    if (ids != NULL) {
+        multi->ids = Py_NewRef(ids);
+        return ids;
+    }
+    ids = PyTuple_New(multi->len);
     if (ids == NULL) {
         return NULL;
     }
@@ -844,6 +864,7 @@ multi_ids(Multi *multi, PyObject *last, PyObject *single_ids)
         PyTuple_SET_ITEM(ids, i, id);
     }
     multi->ids = ids;
+    Py_XSETREF(*recent, Py_NewRef(ids));
     return ids;
 }
 
@@ -884,7 +905,7 @@ ids_of_node(ShardObject *self, uint32_t n, PyObject *single_ids, PyObject **last
         }
         return PyList_GET_ITEM(single_ids, entry);
     }
-    PyObject *ids = multi_ids(MULTI(holder), *last, single_ids);
+    PyObject *ids = multi_ids(self, MULTI(holder), *last, single_ids);
     if (ids != NULL) {
         *last = ids;
     }
@@ -1318,6 +1339,9 @@ Shard_dealloc(ShardObject *self)
     }
     for (uint32_t e = 0; e < self->entries_cap; e++) {
         free(self->logs[e].keys);
+    }
+    for (size_t i = 0; i < RECENT_IDS; i++) {
+        Py_CLEAR(self->recent_ids[i]);
     }
     self->failure = FAILED_NOTHING; /* settle only releases here: nothing may be raised from a dealloc */
     settle(self);

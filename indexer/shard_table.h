@@ -70,6 +70,9 @@ typedef struct {
     uint32_t cap;
 } Log;
 
+/* How many recently made holder tuples a shard keeps for reuse (a power of two). */
+#define RECENT_IDS 64
+
 typedef struct {
     PyObject_HEAD
     /* key table: slots hold node number + 1 (0 = empty) */
@@ -93,6 +96,9 @@ typedef struct {
     size_t garbage_len;
     size_t garbage_cap;
     int failure; /* FAILED_*: what went wrong on a path that may run without the GIL */
+    /* The holder tuples made most recently, by a hash of their ids: a new answer equal to one of them is
+     * that tuple (see multi_ids). */
+    PyObject *recent_ids[RECENT_IDS];
     /* caps */
     Py_ssize_t capacity;
     Py_ssize_t low_water;

@@ -237,3 +237,34 @@ def test_compiled_core_refuses_bad_settings_and_steps() -> None:
     assert shard.num_keys() == 0 and shard.problems(0, 1) == []
     # The pure core, for comparison, accepts the same settings as KVIndex does.
     assert Shard(10, 2).low_water == shard.low_water
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_equal_answers_are_one_tuple_whatever_order_keys_are_first_read_in(
+    core: str, num_shards: int
+) -> None:
+    """A prompt hashed while it is looked up reads its prefix one key per lookup: the answers of a shared
+    prefix's keys must still be one tuple per shard (the answer writer finds runs by identity), on both
+    cores."""
+    index = make_index(core, num_shards=num_shards)
+    prefix_a, prefix_b = tuple(range(100, 140)), tuple(range(200, 240))
+    for pod in PODS[:3]:
+        index.apply(pod, [BlocksStored(block_keys=prefix_a, parent_key=None, token_ids=(), block_size=16)])
+    for pod in PODS[1:]:
+        index.apply(pod, [BlocksStored(block_keys=prefix_b, parent_key=None, token_ids=(), block_size=16)])
+    order = [*prefix_a, *prefix_b]
+    random.Random(7).shuffle(order)  # the two prefixes' keys first read interleaved, one per lookup
+    for key in order:
+        index.lookup_ids((key,))
+    for prefix, pods in ((prefix_a, PODS[:3]), (prefix_b, PODS[1:])):
+        answers = index.lookup_ids(prefix)
+        assert [[index.entry(entry_id)[0] for entry_id in ids] for ids in answers] == [pods] * len(prefix)
+        assert len({id(ids) for ids in answers}) == num_shards
+    # A write gives its key a fresh answer; the prefix's other keys still share theirs.
+    index.apply(
+        PODS[3], [BlocksStored(block_keys=prefix_a[5:6], parent_key=None, token_ids=(), block_size=16)]
+    )
+    answers = index.lookup_ids(prefix_a)
+    assert [index.entry(entry_id)[0] for entry_id in answers[5]] == [*PODS[:3], PODS[3]]
+    assert len({id(ids) for i, ids in enumerate(answers) if i != 5}) == num_shards
