@@ -46,12 +46,14 @@ static PyObject *str_tracker, *str_joined, *str_resyncing;
 
 /* -- struct fields ----------------------------------------------------------------------------------
  * PodRef and PodHealth are msgspec Structs, whose fields are member descriptors over object slots. A
- * field's slot offset is looked up once per call and read directly from objects of that exact type (a
- * generic getattr was a fifth of this module's time); any other object takes getattr. */
+ * field's slot offset is looked up on first use and read directly from objects of that exact type (a
+ * generic getattr was a fifth of this module's time); any other object takes getattr. The module keeps
+ * one set (`answer_fields`, read and written with the GIL held) and a reference to each type it resolved,
+ * so an offset never outlives its type. */
 
 typedef struct {
     PyObject *name;
-    PyTypeObject *type; /* NULL until resolved */
+    PyTypeObject *type; /* NULL until resolved; then a reference, held for the module's life */
     Py_ssize_t offset;
 } Field;
 
@@ -64,7 +66,7 @@ field_get(Field *field, PyObject *obj)
         if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
             PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
             if (member->type == T_OBJECT_EX) {
-                field->type = Py_TYPE(obj);
+                field->type = (PyTypeObject *)Py_NewRef(Py_TYPE(obj));
                 field->offset = member->offset;
             }
         }
@@ -98,6 +100,8 @@ fields_init(Fields *fields)
         all[i]->offset = 0;
     }
 }
+
+static Fields answer_fields;
 
 /* -- entry id -> row: open addressing over a power-of-two table ------------------------------------ */
 
@@ -790,16 +794,51 @@ read_live(Fields *fields, const Reader *reader, PyObject *stream, double *age)
     return 1;
 }
 
-/* The health of row i's pod: 1 live at *age; 0 with *health (a new reference: PodHealth or None);
- * -1 error. */
-static int
-reader_health(Fields *fields, const Reader *reader, PyObject *ref, PyObject **health, double *age)
+/* The stream feeding `ref` (a new reference), or None; NULL on error. */
+static PyObject *
+reader_stream(const Reader *reader, PyObject *ref)
 {
     PyObject *stream = PyDict_GetItemWithError(reader->streams, ref); /* borrowed */
     if (stream == NULL) {
-        if (PyErr_Occurred()) {
-            return -1;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    }
+    return Py_NewRef(stream);
+}
+
+/* Ask for the cache lines read_live reads of a stream and its tracker. */
+static void
+prefetch_stream(Fields *fields, PyObject *stream)
+{
+    if (stream == Py_None) {
+        return;
+    }
+    __builtin_prefetch(stream);
+    __builtin_prefetch((const char *)stream + 64);
+    __builtin_prefetch((const char *)stream + 128);
+    Field *tracker = &fields->tracker;
+    if (tracker->type != NULL && Py_TYPE(stream) == tracker->type) {
+        PyObject *value = *(PyObject **)((char *)stream + tracker->offset);
+        if (value != NULL) {
+            __builtin_prefetch(value);
+            __builtin_prefetch((const char *)value + 64);
         }
+    }
+    Field *at = &fields->last_event_at;
+    if (at->type != NULL && Py_TYPE(stream) == at->type) {
+        PyObject *value = *(PyObject **)((char *)stream + at->offset);
+        if (value != NULL) {
+            __builtin_prefetch(value);
+        }
+    }
+}
+
+/* The health of the pod `ref`, fed by `stream` (None: no stream): 1 live at *age; 0 with *health (a new
+ * reference: PodHealth or None); -1 error. */
+static int
+reader_health(Fields *fields, const Reader *reader, PyObject *ref, PyObject *stream, PyObject **health,
+              double *age)
+{
+    if (stream == Py_None) {
         *health = Py_NewRef(Py_None);
         return 0;
     }
@@ -1003,11 +1042,11 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
 
     PyObject *result = NULL;
-    Fields fields;
-    fields_init(&fields);
+    Fields *fields = &answer_fields;
     IdMap map = {NULL, NULL, 0};
     PodSet pods = {NULL, NULL, 0, 0};
     Buf buf = {NULL, 0, 0};
+    PyObject **streams = NULL; /* with a reader: each row's stream (new references), or None */
     int outcome = 0;
     Row *rows = PyMem_Calloc((size_t)n, sizeof(Row));
     if (rows == NULL) {
@@ -1025,7 +1064,7 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         rows[i].entry_id = entry_id;
         rows[i].run = -1;
-        outcome = read_entry(&fields, PyList_GET_ITEM(first_entries, i), &rows[i].pod_id, &rows[i].dp_rank, &rows[i]);
+        outcome = read_entry(fields, PyList_GET_ITEM(first_entries, i), &rows[i].pod_id, &rows[i].dp_rank, &rows[i]);
         if (outcome != 0) {
             result = DECLINE_OR_FAIL(outcome);
             goto done;
@@ -1038,19 +1077,36 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         outcome = pod_set_add(&pods, rows[i].pod_id, rows[i].dp_rank); /* 1: a pod on two tiers */
     }
     if (outcome == 0) {
-        outcome = find_runs(&fields, rows, n, holder_ids, &map, &pods, entry_of);
+        outcome = find_runs(fields, rows, n, holder_ids, &map, &pods, entry_of);
     }
     if (outcome != 0) {
         result = DECLINE_OR_FAIL(outcome);
         goto done;
+    }
+    if (use_reader) {
+        /* Every row's stream is looked up and its lines asked for before any is read: one after another,
+         * each row's reads were a chain of cache misses (~100 streams, cold after other processes ran). */
+        streams = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        if (streams == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(first_entries, i), 0); /* read_entry checked it */
+            streams[i] = reader_stream(&reader, ref);
+            if (streams[i] == NULL) {
+                goto done;
+            }
+            prefetch_stream(fields, streams[i]);
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *health = NULL;
         int live = 0;
         double age = 0.0;
         if (use_reader) {
-            PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(first_entries, i), 0); /* read_entry checked it */
-            live = reader_health(&fields, &reader, ref, &health, &age);
+            PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(first_entries, i), 0);
+            live = reader_health(fields, &reader, ref, streams[i], &health, &age);
             if (live < 0) {
                 goto done;
             }
@@ -1058,7 +1114,7 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else {
             health = Py_NewRef(PyList_GET_ITEM(healths, i));
         }
-        outcome = fill_row(&fields, &rows[i], health, live, age, tier_weights, unknown_weight, states, vouched,
+        outcome = fill_row(fields, &rows[i], health, live, age, tier_weights, unknown_weight, states, vouched,
                            grace_s, by_score);
         Py_XDECREF(health);
         if (outcome != 0) {
@@ -1101,6 +1157,12 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     result = Py_BuildValue("(y#L)", buf.data, (Py_ssize_t)buf.len, best < 0 ? 0LL : best);
 
 done:
+    if (streams != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_XDECREF(streams[i]);
+        }
+        PyMem_Free(streams);
+    }
     rows_free(rows, n);
     idmap_free(&map);
     pod_set_free(&pods);
@@ -1147,5 +1209,6 @@ PyInit__answer(void)
         !str_tracker || !str_joined || !str_resyncing) {
         return NULL;
     }
+    fields_init(&answer_fields);
     return PyModule_Create(&answer_module);
 }
