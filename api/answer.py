@@ -131,8 +131,7 @@ def scores_json(
     would say at `reader.now`); without it the writer is given `healths_of`'s answers."""
     encode = encode_scores
     if encode is not None and holder_ids:
-        entry = index.entry
-        first_entries = [entry(entry_id) for entry_id in holder_ids[0]]
+        first_entries = list(map(index.entry, holder_ids[0]))
         healths = reader if reader is not None else healths_of([ref for ref, _ in first_entries])
         written = encode(*encode_arguments(index, holder_ids, first_entries, healths, policy))
         if written is not None:

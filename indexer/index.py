@@ -128,6 +128,9 @@ class KVIndex:
         # Interned entries: ids are small ints, never reused, append-only (readable without the lock).
         self._intern_lock = threading.Lock()
         self._entries: list[Entry] = []
+        # The (pod, tier) an id from `lookup_ids` stands for: the list's own lookup, so a score answer
+        # resolving ~100 holders makes no Python call per id.
+        self.entry: Callable[[int], Entry] = self._entries.__getitem__
         # entry id -> (entry id,): the lookup answer for a single holder, shared instead of allocated.
         self._single_ids: list[HolderIds] = []
         self._entry_ids: dict[Entry, int] = {}
@@ -158,10 +161,6 @@ class KVIndex:
                 by_id = self._pod_id_entry_ids
                 by_id[pod.pod_id] = by_id.get(pod.pod_id, frozenset()) | {entry_id}
             return entry_id
-
-    def entry(self, entry_id: int) -> Entry:
-        """The (pod, tier) an id from `lookup_ids` stands for."""
-        return self._entries[entry_id]
 
     def shard_of(self, block_key: int) -> int:
         """Which shard (and so which key LRU) a block key lives in."""
