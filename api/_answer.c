@@ -34,7 +34,8 @@ typedef struct {
     Py_ssize_t pod_len;
     Py_ssize_t tier_len;
     PyObject *state;
-    PyObject *age;
+    PyObject *age;   /* a float or None; NULL for a live row, whose age is `live_age` */
+    double live_age; /* no float object per row: a compact answer never writes it */
     Py_ssize_t entry_id;
     Py_ssize_t seen; /* the last run (by number) whose holders include this entry */
     int group;       /* 0: vouched, 1: other, -1: left out */
@@ -658,10 +659,7 @@ fill_row(Fields *fields, Row *row, PyObject *health, int live, double live_age, 
     PyObject *down = NULL; /* how long the link has been down: a float, or None */
     if (live) {
         row->state = Py_NewRef(str_live);
-        row->age = PyFloat_FromDouble(live_age);
-        if (row->age == NULL) {
-            return -1;
-        }
+        row->live_age = live_age;
         down = Py_NewRef(Py_None);
     }
     else if (health == Py_None) { /* no stream feeds it: the entry as the scorer made it */
@@ -926,7 +924,12 @@ put_row(Buf *buf, const Row *row, long long block_size, PyObject *report_tiers)
         return -1;
     }
     PUT_LITERAL(buf, ",\"last_event_age_s\":");
-    if (row->age == Py_None) {
+    if (row->age == NULL) {
+        if (put_float(buf, row->live_age) < 0) {
+            return PyErr_Occurred() ? -1 : 1;
+        }
+    }
+    else if (row->age == Py_None) {
         PUT_LITERAL(buf, "null");
     }
     else if (put_float(buf, PyFloat_AS_DOUBLE(row->age)) < 0) {
@@ -1070,7 +1073,11 @@ encode_scores(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    if (pod_set_alloc(&pods, 16) < 0) {
+    size_t pod_slots = 16; /* room for every first-block pod at half load: no rebuild while they go in */
+    while (pod_slots < (size_t)n * 2 + 2) {
+        pod_slots *= 2;
+    }
+    if (pod_set_alloc(&pods, pod_slots) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n && outcome == 0; i++) {
