@@ -58,6 +58,17 @@ typedef struct {
     Py_ssize_t offset;
 } Field;
 
+/* The field's value read from its slot (borrowed) if `obj` is of the field's resolved type and the slot is
+ * set, else NULL (no exception). */
+static inline PyObject *
+field_slot(const Field *field, PyObject *obj)
+{
+    if (field->type == NULL || Py_TYPE(obj) != field->type) {
+        return NULL;
+    }
+    return *(PyObject **)((char *)obj + field->offset);
+}
+
 /* A new reference to the field's value, NULL with an exception (AttributeError when unset). */
 static PyObject *
 field_get(Field *field, PyObject *obj)
@@ -72,13 +83,8 @@ field_get(Field *field, PyObject *obj)
             }
         }
     }
-    if (Py_TYPE(obj) == field->type) {
-        PyObject *value = *(PyObject **)((char *)obj + field->offset);
-        if (value != NULL) {
-            return Py_NewRef(value);
-        }
-    }
-    return PyObject_GetAttr(obj, field->name);
+    PyObject *value = field_slot(field, obj);
+    return value != NULL ? Py_NewRef(value) : PyObject_GetAttr(obj, field->name);
 }
 
 typedef struct {
@@ -805,7 +811,7 @@ reader_stream(const Reader *reader, PyObject *ref)
 
 /* Ask for the cache lines read_live reads of a stream and its tracker. */
 static void
-prefetch_stream(Fields *fields, PyObject *stream)
+prefetch_stream(const Fields *fields, PyObject *stream)
 {
     if (stream == Py_None) {
         return;
@@ -813,20 +819,14 @@ prefetch_stream(Fields *fields, PyObject *stream)
     __builtin_prefetch(stream);
     __builtin_prefetch((const char *)stream + 64);
     __builtin_prefetch((const char *)stream + 128);
-    Field *tracker = &fields->tracker;
-    if (tracker->type != NULL && Py_TYPE(stream) == tracker->type) {
-        PyObject *value = *(PyObject **)((char *)stream + tracker->offset);
-        if (value != NULL) {
-            __builtin_prefetch(value);
-            __builtin_prefetch((const char *)value + 64);
-        }
+    PyObject *tracker = field_slot(&fields->tracker, stream);
+    if (tracker != NULL) {
+        __builtin_prefetch(tracker);
+        __builtin_prefetch((const char *)tracker + 64);
     }
-    Field *at = &fields->last_event_at;
-    if (at->type != NULL && Py_TYPE(stream) == at->type) {
-        PyObject *value = *(PyObject **)((char *)stream + at->offset);
-        if (value != NULL) {
-            __builtin_prefetch(value);
-        }
+    PyObject *at = field_slot(&fields->last_event_at, stream);
+    if (at != NULL) {
+        __builtin_prefetch(at);
     }
 }
 

@@ -88,7 +88,7 @@ class TimedClient:
             try:
                 sock.sendall(request)
                 status, data, keep_alive = self._read_answer(sock)
-            except (OSError, ConnectionError):
+            except OSError:  # ConnectionError included
                 self.close()
                 if attempt:
                     raise

@@ -835,23 +835,20 @@ multi_ids(ShardObject *self, Multi *multi, PyObject *last, PyObject *single_ids)
     if (multi->ids != NULL) {
         return multi->ids;
     }
-    PyObject *ids = NULL;
     if (last != NULL && ids_match(last, multi)) {
-        ids = last;
+        multi->ids = Py_NewRef(last);
+        return last;
     }
     uint64_t mix = multi->len;
     for (uint32_t i = 0; i < multi->len; i++) {
         mix = (mix ^ multi->items[i].entry) * 0x9E3779B97F4A7C15ULL;
     }
     PyObject **recent = &self->recent_ids[(mix >> 32) & (RECENT_IDS - 1)];
-    if (ids == NULL && *recent != NULL && ids_match(*recent, multi)) {
-        ids = *recent;
+    if (*recent != NULL && ids_match(*recent, multi)) {
+        multi->ids = Py_NewRef(*recent);
+        return *recent;
     }
-    if (ids != NULL) {
-        multi->ids = Py_NewRef(ids);
-        return ids;
-    }
-    ids = PyTuple_New(multi->len);
+    PyObject *ids = PyTuple_New(multi->len);
     if (ids == NULL) {
         return NULL;
     }
