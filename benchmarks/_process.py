@@ -60,6 +60,11 @@ class ManagedProcess:
     def start(self) -> None:
         raise NotImplementedError
 
+    @property
+    def pid(self) -> int:
+        assert self._process is not None, "not started"
+        return self._process.pid
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, wait, SIGKILL if it lingers; close the log. Idempotent."""
         if self._process is not None:

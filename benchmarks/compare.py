@@ -169,6 +169,7 @@ class Publishers:
 class Subject(Protocol):
     name: str
     port: int
+    pid: int  # the service's process
 
     def caught_up(self, round_index: int) -> bool: ...
     def progress(self) -> str: ...
@@ -187,6 +188,7 @@ class KvindexSubject:
         self.publishers = publishers
         self.events_per_round = events_per_round
         self.port = service.port
+        self.pid = service.pid
 
     def caught_up(self, round_index: int) -> bool:
         # Dynamo's criterion (events applied, one counter), read from /v1/ingest: polling /v1/pods at
@@ -227,6 +229,7 @@ class DynamoSubject:
         self.indexer = indexer
         self.events_per_round = events_per_round
         self.port = indexer.port
+        self.pid = indexer.pid
 
     def caught_up(self, round_index: int) -> bool:
         return sum(self.indexer.events_applied().values()) >= (round_index + 1) * self.events_per_round
@@ -498,13 +501,16 @@ def time_queries_paired(
     feed: Feed,
     requests: Sequence[dict[str, list[tuple[str, bytes]]]],
     floor_port: int | None = None,
+    observe: Callable[[int, str, float], None] | None = None,
 ) -> list[dict[str, Latencies]]:
     """Idle latency of several services, request by request in turn (the first to ask swaps every
     query), each answer checked: a stall of this shared box lands on whichever request it meets, so
     over a phase it meets both services alike instead of the one that happened to run then.
 
     `floor_port`: a FloorServer (benchmarks/floor.py) taken in turn too, sent the first service's
-    requests, its answers not checked; its latencies come last."""
+    requests, its answers not checked; its latencies come last. `observe(at, kind, seconds)` is called
+    after each timed request, outside its window (`at`: the service's place in `subjects`, the floor's
+    last)."""
     if not subjects:  # every service failed before its queries
         return []
     clients = [TimedClient(subject.port) for subject in subjects]
@@ -523,6 +529,8 @@ def time_queries_paired(
             for kind in requests[0]:
                 for at in order if index % 2 == 0 else reversed(order):
                     elapsed, response = _timed_post(clients[at], *requests[at][kind][index])
+                    if observe is not None:
+                        observe(at, kind, elapsed)
                     latencies = results[at][kind]
                     latencies.samples_s.append(elapsed)
                     if at < len(subjects):

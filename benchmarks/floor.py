@@ -5,9 +5,9 @@ of body) and writes one canned answer, without reading the body: kvindex's own a
 first prompt, so the bytes on the wire are the size of a real answer. On kvindex's event loop (uvloop when
 installed), in its own process, asked by the same keep-alive client in the same alternating order as kvindex
 and Dynamo, it shows what the client, loopback and the shared two cores cost on their own. A score p99 near
-the floor's is the instrument's, not the service's: on this box the floor's 512-hash p99 is 0.40-0.55x
+the floor's is the instrument's, not the service's: on this box the floor's 512-hash p99 is 0.40-0.79x
 Dynamo's through the lean TimedClient (~0.45x through http.client before it), and issue 14's goal for that
-row is <= 0.5x.
+row is <= 0.5x. Where the scheduler wakes each server decides most of it (benchmarks/placement.py).
 
 `python -m benchmarks.floor ANSWER_FILE` prints `listening on http://127.0.0.1:PORT` and serves until killed; FloorServer runs
 it as a subprocess.

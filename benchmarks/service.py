@@ -243,11 +243,6 @@ class KvindexService(ManagedProcess):
         self._log: IO[bytes] | None = None
         self._config_dir: tempfile.TemporaryDirectory[str] | None = None
 
-    @property
-    def pid(self) -> int:
-        assert self._process is not None, "not started"
-        return self._process.pid
-
     def start(self) -> None:
         self._config_dir = tempfile.TemporaryDirectory(prefix="kvindex-bench-")
         config_path = Path(self._config_dir.name) / "serve.toml"

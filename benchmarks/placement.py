@@ -1,0 +1,146 @@
+"""Why the idle score rows move from run to run on this box: each request, split by where its server ran.
+
+`python -m benchmarks.placement [--quick] [--passes N]` runs the score section's idle timing
+(compare.time_queries_paired: kvindex, Dynamo when available, and the floor, in turn, on the main
+workload) and, outside each request's timing window, reads from /proc where each server that answers on
+one thread (kvindex's event loop, the floor; Dynamo answers on a pool) ran it: on the same CPU as its
+previous request or not, and on the client's CPU or not. A server woken on the other CPU than its last
+starts with cold caches; one woken on the other CPU than its client's pays a cross-CPU wake-up (on this VM
+an idle vCPU halts at once: cpuidle_haltpoll with guest_halt_poll_ns=0). The scheduler decides which.
+
+Prints latency percentiles per (service, request kind, placement). The reads add client work between
+requests, outside the timed windows, so the figures are close to but not the score table's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from benchmarks._process import run_main
+from benchmarks._table import format_table
+from benchmarks.compare import (
+    FLOOR,
+    Publishers,
+    Subject,
+    SubjectResult,
+    _requests,
+    _start_floor,
+    build,
+    ingest_first_round,
+    start_subject,
+    time_queries_paired,
+)
+from benchmarks.dynamo import available
+from benchmarks.workload import WorkloadSpec
+
+QUERY_KINDS = ("tokens", "hashes", "tokens_full")  # the score section's, in its order
+# proc(5)'s field 39 of a stat line, counted after the ")" that ends the command name (which may hold
+# spaces): fields 1 and 2 come before it, so it is the 37th word after.
+_PROCESSOR = 39 - 3
+
+
+def thread_cpu(pid: int, tid: int) -> int:
+    """The CPU thread `tid` of process `pid` last ran on."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[_PROCESSOR])
+
+
+def placement_class(cpu: int, previous_cpu: int | None, client_cpu: int) -> str:
+    """Where a one-thread server answered, against its previous request and its client."""
+    if previous_cpu is None:
+        return "first request"
+    moved = "same CPU as before" if cpu == previous_cpu else "moved CPU"
+    return f"{moved}, {'on' if cpu == client_cpu else 'off'} the client's"
+
+
+class PlacementObserver:
+    """time_queries_paired's `observe`: each timed request's latency filed under its server's placement
+    class, for the servers that answer on their main thread (`placed[at]`)."""
+
+    def __init__(self, names: Sequence[str], pids: Sequence[int], placed: Sequence[bool]) -> None:
+        self._names = names
+        self._pids = pids
+        self._placed = placed
+        self._last_cpu: list[int | None] = [None] * len(pids)
+        self.by_placement: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+
+    def __call__(self, at: int, kind: str, elapsed_s: float) -> None:
+        if not self._placed[at]:
+            return
+        pid = self._pids[at]
+        cpu = thread_cpu(pid, pid)  # where it answered: it went back to waiting there
+        client_cpu = thread_cpu(os.getpid(), threading.get_native_id())
+        group = placement_class(cpu, self._last_cpu[at], client_cpu)
+        self.by_placement[(self._names[at], kind, group)].append(elapsed_s)
+        self._last_cpu[at] = cpu
+
+
+def percentile_rows(groups: dict[tuple[str, str, str], list[float]]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for (name, kind, group), samples in sorted(groups.items()):
+        ordered = sorted(samples)
+        count = len(ordered)
+
+        def at(fraction: float, ordered: list[float] = ordered, count: int = count) -> str:
+            return f"{ordered[min(count - 1, int(fraction * count))] * 1e3:.3f}"
+
+        rows.append([name, kind, group, count, at(0.5), at(0.9), at(0.99)])
+    return rows
+
+
+def measure(spec: WorkloadSpec, passes: int, with_dynamo: bool) -> PlacementObserver:
+    """The idle timing of `spec`'s queries, `passes` times over, with a PlacementObserver."""
+    feed = build(spec, lambda message: print(message, flush=True))
+    kinds = ("kvindex", "Dynamo") if with_dynamo else ("kvindex",)
+    with ExitStack() as stack:
+        subjects: list[Subject] = []
+        for kind in kinds:
+            publishers = stack.enter_context(Publishers(feed.payloads))
+            subject = stack.enter_context(start_subject(kind, publishers, feed))
+            ingest_first_round(
+                subject, publishers, SubjectResult(kind, feed.num_blocks), ingest_timeout_s=900
+            )
+            subjects.append(subject)
+        requests = [_requests(subject, feed, QUERY_KINDS) for subject in subjects]
+        floor = _start_floor(stack, subjects, requests, lambda message: print(message, flush=True))
+        names = [subject.name for subject in subjects] + ([] if floor is None else [FLOOR])
+        pids = [subject.pid for subject in subjects] + ([] if floor is None else [floor.pid])
+        # Dynamo answers on a pool of threads: its placement is not one thread's.
+        observer = PlacementObserver(names, pids, [name != "Dynamo" for name in names])
+        for _ in range(passes):
+            time_queries_paired(subjects, feed, requests, None if floor is None else floor.port, observer)
+    return observer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.placement", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny workload (smoke test)")
+    parser.add_argument("--passes", type=int, default=3, help="times over the queries (default 3)")
+    parser.add_argument("--no-dynamo", action="store_true", help="skip Dynamo even if it is installed")
+    args = parser.parse_args(argv)
+    if args.passes < 1:
+        parser.error(f"--passes must be at least 1, got {args.passes}")
+    if args.quick:
+        spec = WorkloadSpec(num_engines=4, blocks_per_engine=200, num_prefixes=2, num_queries=20)
+    else:
+        spec = WorkloadSpec(num_engines=100, blocks_per_engine=10_000, num_prefixes=10, num_queries=200)
+    with_dynamo = not args.no_dynamo and available()[0]
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    observer = measure(spec, args.passes, with_dynamo)
+    headers = ["service", "request", "class", "n", "p50 ms", "p90 ms", "p99 ms"]
+    print("\n== by where the server's thread answered: against its previous request's CPU and the client's")
+    print(format_table(headers, percentile_rows(observer.by_placement)))
+    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, "every service, publisher and the floor were stopped")
