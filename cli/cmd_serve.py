@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     # Before any ingest thread starts: the score path shares the GIL with them (see config.py).
     process.set_switch_interval(config.switch_interval_ms)
     process.raise_open_files_limit()
+    process.pin_mmap_threshold()
     try:
         service = IngestService(
             config.models,

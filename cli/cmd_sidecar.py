@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    process.pin_mmap_threshold()
     try:
         service = SidecarService(settings, release_heap=process.heap_releaser())
     except Exception as exc:  # zmq address errors: one sentence

@@ -1,6 +1,6 @@
 """Process setup for `kvindex serve`: what belongs to the process, not to the indexer — the event loop, the
-open-files limit, the GIL switch interval, the start-up heap kept out of the cyclic collector's passes, and
-handing freed heap pages back to the OS."""
+open-files limit, the GIL switch interval, the start-up heap kept out of the cyclic collector's passes, where
+the C heap puts large blocks, and handing freed heap pages back to the OS."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import gc
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable
 
@@ -60,6 +61,35 @@ def set_switch_interval(interval_ms: float) -> None:
     """The GIL switch interval: ingest threads share the GIL with the event loop answering scores, and a
     shorter slice hands it back sooner. Set before any ingest thread starts."""
     sys.setswitchinterval(interval_ms / 1000)
+
+
+# glibc's mallopt parameter number for the mmap threshold (malloc.h).
+_M_MMAP_THRESHOLD = -3
+# Blocks at least this large get their own mapping: the index's growing tables, never a payload or a body.
+LARGE_BLOCK_BYTES = 1 << 20
+
+
+def pin_mmap_threshold(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Give every block of LARGE_BLOCK_BYTES or more its own mapping, for the life of the process; False
+    where there is no glibc or the operator set the threshold (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES).
+
+    glibc raises its threshold to the size of any mapped block freed (up to 32 MiB), so once the index has
+    resized a large table, the next ones come from the threads' heaps, amid the payloads a burst queues,
+    and after the burst the live tables keep its freed pages resident: `kvindex serve`'s RSS after one
+    100 pods x 10k blocks burst read 103-162 B per pair from run to run in pure Python (44-46 compiled).
+    Pinned, every resize hands the old table back to the OS at once: 103.0-103.4 B (44.3-44.6 compiled)
+    over five runs, ingest unchanged. Call it before the index allocates."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in tunables:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
 
 
 def heap_releaser() -> Callable[[], object] | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.metadata
+import os
+import subprocess
 import sys
 import weakref
 
@@ -71,3 +73,65 @@ def test_an_unknown_event_loop_is_refused() -> None:
         process.EventLoopUnavailable, match="must be one of auto, uvloop, asyncio, got 'trio'"
     ):
         process.event_loop_factory("trio")
+
+
+# Run in a fresh interpreter: glibc's threshold is process-wide, and this one's was moved by whatever ran
+# before. Prints how many blocks glibc has mapped (mallinfo2's hblks) while a 1.5 MiB block is held, after
+# a 4 MiB mapped block was freed (which, unpinned, raises the threshold to 4 MiB).
+_WHERE_A_LARGE_BLOCK_LANDS = """
+import ctypes, sys
+from kvindex.cli import process
+pinned = process.pin_mmap_threshold() if sys.argv[1] == "pin" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.free(libc.malloc(4 << 20))
+before = libc.mallinfo2().hblks
+held = libc.malloc(3 << 19)
+print(pinned, libc.mallinfo2().hblks - before)
+libc.free(held)
+"""
+
+
+def _where_a_large_block_lands(env: dict[str, str], pin: bool = True) -> tuple[str, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", _WHERE_A_LARGE_BLOCK_LANDS, "pin" if pin else "leave"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pinned, mapped = done.stdout.split()
+    return pinned, int(mapped)
+
+
+def _env_without_malloc_settings() -> dict[str, str]:
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key != "MALLOC_MMAP_THRESHOLD_" and "mmap_threshold" not in value
+    }
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_pinned_a_large_block_gets_its_own_mapping_even_after_a_larger_one_was_freed() -> None:
+    env = _env_without_malloc_settings()
+    # glibc's own behaviour: the freed block raised the threshold, and the next large one is in the heap
+    assert _where_a_large_block_lands(env, pin=False) == ("None", 0)
+    assert process.LARGE_BLOCK_BYTES <= 3 << 19
+    assert _where_a_large_block_lands(env) == ("True", 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_an_operators_threshold_is_left_alone() -> None:
+    env = _env_without_malloc_settings()
+    env["MALLOC_MMAP_THRESHOLD_"] = "4194304"
+    assert _where_a_large_block_lands(env) == ("False", 0)
+    del env["MALLOC_MMAP_THRESHOLD_"]
+    env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=4194304"
+    assert _where_a_large_block_lands(env) == ("False", 0)
