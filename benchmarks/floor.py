@@ -7,10 +7,12 @@ installed), in its own process, asked by the same keep-alive client in the same 
 and Dynamo, it shows what the client, loopback and the shared two cores cost on their own. A score p99 near
 the floor's is the instrument's, not the service's: on this box the floor's 512-hash p99 is 0.40-0.79x
 Dynamo's through the lean TimedClient (~0.45x through http.client before it), and issue 14's goal for that
-row is <= 0.5x. Where the scheduler wakes each server decides most of it (benchmarks/placement.py).
+row is <= 0.5x. Where the scheduler wakes each server decides most of it, and it wakes a server that does
+no work on its client's CPU, where a server doing a score's work mostly is not (benchmarks/wake.py).
 
-`python -m benchmarks.floor ANSWER_FILE` prints `listening on http://127.0.0.1:PORT` and serves until killed; FloorServer runs
-it as a subprocess.
+`python -m benchmarks.floor ANSWER_FILE [WORK_US]` prints `listening on http://127.0.0.1:PORT` and serves until
+killed; FloorServer runs it as a subprocess. WORK_US (default 0) keeps the CPU busy that long before each
+answer, as computing one would: benchmarks/wake.py asks servers that differ only in it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import cast
 
@@ -33,8 +36,9 @@ _LENGTH = b"content-length:"
 class _CannedAnswer(asyncio.Protocol):
     """Answers every complete request on the connection with `response`."""
 
-    def __init__(self, response: bytes) -> None:
+    def __init__(self, response: bytes, work_s: float = 0.0) -> None:
         self._response = response
+        self._work_s = work_s
         self._buffer = b""
         self._transport: asyncio.WriteTransport | None = None
 
@@ -51,6 +55,10 @@ class _CannedAnswer(asyncio.Protocol):
             if len(self._buffer) < request_end:
                 return
             self._buffer = self._buffer[request_end:]
+            if self._work_s:
+                deadline = time.perf_counter() + self._work_s
+                while time.perf_counter() < deadline:
+                    pass
             assert self._transport is not None
             self._transport.write(self._response)
 
@@ -62,29 +70,32 @@ def response_bytes(answer: bytes) -> bytes:
     ) + answer
 
 
-async def _serve(answer: bytes) -> None:
+async def _serve(answer: bytes, work_s: float) -> None:
     loop = asyncio.get_running_loop()
     response = response_bytes(answer)
-    server = await loop.create_server(lambda: _CannedAnswer(response), "127.0.0.1", 0)
+    server = await loop.create_server(lambda: _CannedAnswer(response, work_s), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     print(f"listening on http://127.0.0.1:{port}", flush=True)
     await server.serve_forever()
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m benchmarks.floor ANSWER_FILE")
+    if len(argv) not in (1, 2):
+        raise SystemExit("usage: python -m benchmarks.floor ANSWER_FILE [WORK_US]")
     answer = Path(argv[0]).read_bytes()
+    work_s = float(argv[1]) / 1e6 if len(argv) == 2 else 0.0
     factory, _ = event_loop_factory("auto")
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(answer))
+        runner.run(_serve(answer, work_s))
 
 
 class FloorServer(ManagedProcess):
-    """`python -m benchmarks.floor` in a subprocess answering `answer`; `port` once started."""
+    """`python -m benchmarks.floor` in a subprocess answering `answer` (after `work_us` of busy work); `port`
+    once started."""
 
-    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
+    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0, work_us: float = 0.0) -> None:
         self._answer = answer
+        self._work_us = work_us
         self._startup_timeout_s = startup_timeout_s
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
@@ -95,7 +106,7 @@ class FloorServer(ManagedProcess):
         answer_file.write_bytes(self._answer)
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.floor", str(answer_file)],
+            [sys.executable, "-m", "benchmarks.floor", str(answer_file), str(self._work_us)],
             stdout=subprocess.PIPE,
             stderr=self._log,
         )
