@@ -25,10 +25,11 @@ import random
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from benchmarks._process import run_main
 from benchmarks._table import format_table
+from benchmarks.compare import Latencies
 from benchmarks.floor import FloorServer
 from benchmarks.placement import thread_cpu
 from benchmarks.service import TimedClient
@@ -46,23 +47,20 @@ def request_body(num_hashes: int = 512, seed: int = 0) -> bytes:
 
 
 @dataclass
-class WakeRow:
-    work_us: float
-    samples_s: list[float] = field(default_factory=list)
+class WakeRow(Latencies):
+    """One work level's timed answers, and how many its server gave on the client's CPU."""
+
+    work_us: float = 0.0
     on_client_cpu: int = 0
 
     def share_on_client_cpu(self) -> float:
         return self.on_client_cpu / len(self.samples_s) if self.samples_s else 0.0
 
-    def percentile_ms(self, fraction: float) -> float:
-        ordered = sorted(self.samples_s)
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1e3
-
 
 def sweep(work_levels_us: Sequence[float], requests: int, body: bytes | None = None) -> list[WakeRow]:
     """`requests` timed answers from each of one floor server per work level, asked in turn."""
     body = request_body() if body is None else body
-    rows = [WakeRow(work_us) for work_us in work_levels_us]
+    rows = [WakeRow(work_us=work_us) for work_us in work_levels_us]
     with ExitStack() as stack:
         servers = [stack.enter_context(FloorServer(b"{}", work_us=work_us)) for work_us in work_levels_us]
         clients = [TimedClient(server.port) for server in servers]
@@ -114,9 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row.work_us:g}",
             len(row.samples_s),
             f"{row.share_on_client_cpu():.0%}",
-            f"{row.percentile_ms(0.5):.3f}",
-            f"{row.percentile_ms(0.9):.3f}",
-            f"{row.percentile_ms(0.99):.3f}",
+            *(f"{row.percentile_ms(fraction) or 0.0:.3f}" for fraction in (0.5, 0.9, 0.99)),
         ]
         for row in rows
     ]
