@@ -1,10 +1,11 @@
-/* kvindex.hashing._chain: the compiled core of vLLM's block-hash chain for sha256 and sha256_cbor.
+/* kvindex.hashing._chain: the compiled core of vLLM's block-hash chain, for all four of its algorithms.
  *
- * For blocks without extra keys, digest_i = SHA-256(serialize((parent, tuple(block_i tokens), None))),
+ * For blocks without extra keys, digest_i = H(serialize((parent, tuple(block_i tokens), None))),
  * parent = digest_{i-1} (or the caller's digest for block 0), where serialize is pickle.dumps(protocol=5)
  * or cbor2.dumps(canonical=True). The preimage bytes are built here exactly as those serialisers build
- * them (hashing/hasher.py stays the reference; tests/hashing/test_compiled.py proves equality), and
- * hashed with OpenSSL's libcrypto, the same SHA-256 hashlib uses.
+ * them (hashing/hasher.py stays the reference; tests/hashing/test_compiled.py proves equality). H is
+ * SHA-256, through OpenSSL's libcrypto (the same SHA-256 hashlib uses), or the caller's digest function:
+ * the xxhash algorithms pass xxhash.xxh3_128_digest, the very function vLLM calls, once per block.
  *
  * Anything this encoder does not reproduce returns None, so the caller runs the pure-Python path:
  * a token that is not an exact int in [0, 2**64), a parent of 256 bytes or more, or a block so long that
@@ -344,11 +345,54 @@ finish_chain(chain_job *job)
     return digest_list(job->digests, job->num_blocks);
 }
 
+/* The job's chain with `digest` (a Python callable: preimage bytes -> digest bytes) as H, under the GIL:
+ * each block's digest object goes straight into the result list and is the next block's parent. */
+static PyObject *
+digest_chain(const chain_job *job, PyObject *digest)
+{
+    PyObject *list = PyList_New(job->num_blocks);
+    const unsigned char *parent = job->parent;
+    size_t parent_size = job->parent_size;
+    Py_ssize_t b;
+
+    if (list == NULL) {
+        return NULL;
+    }
+    for (b = 0; b < job->num_blocks; b++) {
+        const uint64_t *block = job->tokens + b * job->block_size;
+        size_t size = job->cbor
+            ? cbor_preimage(job->preimage, parent, parent_size, block, job->block_size)
+            : pickle_preimage(job->preimage, parent, parent_size, block, job->block_size);
+        PyObject *data = PyBytes_FromStringAndSize((const char *)job->preimage, (Py_ssize_t)size);
+        if (data == NULL) {
+            goto fail;
+        }
+        PyObject *found = PyObject_CallOneArg(digest, data);
+        Py_DECREF(data);
+        if (found == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(list, b, found);
+        /* The next preimage writes it as a parent: bytes that pickle writes as SHORT_BINBYTES. */
+        if (!PyBytes_CheckExact(found) || PyBytes_GET_SIZE(found) > MAX_PARENT_SIZE) {
+            PyErr_Format(PyExc_TypeError, "the digest function must return bytes of at most %d bytes, got %R",
+                         MAX_PARENT_SIZE, found);
+            goto fail;
+        }
+        parent = (const unsigned char *)PyBytes_AS_STRING(found);
+        parent_size = (size_t)PyBytes_GET_SIZE(found);
+    }
+    return list;
+fail:
+    Py_DECREF(list); /* unset items are NULL, which list_dealloc skips */
+    return NULL;
+}
+
 /* The chain of num_blocks blocks whose ids are `items` (exact ints, checked here) or, with items NULL,
- * `packed` (native uint32: exact by construction). */
+ * `packed` (native uint32: exact by construction); H is SHA-256, or `digest` unless it is None. */
 static PyObject *
 chain_impl(PyObject *parent_obj, PyObject *const *items, const char *packed, Py_ssize_t block_size,
-           Py_ssize_t num_blocks, int cbor)
+           Py_ssize_t num_blocks, int cbor, PyObject *digest)
 {
     Py_ssize_t count = num_blocks * block_size;
     size_t preimage_cap = PREIMAGE_OVERHEAD + 11 * (size_t)block_size;
@@ -382,7 +426,7 @@ chain_impl(PyObject *parent_obj, PyObject *const *items, const char *packed, Py_
     job.parent_size = (size_t)PyBytes_GET_SIZE(parent_obj);
     job.preimage = scratch;
     job.digests = scratch + preimage_cap;
-    result = finish_chain(&job);
+    result = digest == Py_None ? finish_chain(&job) : digest_chain(&job, digest);
 done:
     PyMem_Free(tokens);
     PyMem_Free(scratch);
@@ -390,9 +434,10 @@ done:
 }
 
 PyDoc_STRVAR(chain_doc,
-"chain(parent, tokens, block_size, num_blocks, cbor, /)\n--\n\n"
+"chain(parent, tokens, block_size, num_blocks, cbor, digest=None, /)\n--\n\n"
 "SHA-256 digests of the first num_blocks blocks of block_size tokens (a list or tuple), chained from\n"
 "parent, with no extra keys: pickle protocol 5 preimages, or canonical CBOR ones if cbor is true.\n"
+"With a digest function (preimage bytes -> digest bytes), its digests instead.\n"
 "None when a token is not an exact int in [0, 2**64), parent has 256 bytes or more, or block_size\n"
 "exceeds 4096: the pure-Python path handles those.");
 
@@ -404,8 +449,13 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int cbor;
 
     (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "chain() takes 5 positional arguments (%zd given)", nargs);
+    if (nargs != 5 && nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "chain() takes 5 or 6 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *digest = nargs == 6 ? args[5] : Py_None;
+    if (digest != Py_None && !PyCallable_Check(digest)) {
+        PyErr_SetString(PyExc_TypeError, "chain() wants a callable digest or None");
         return NULL;
     }
     if (!PyBytes_Check(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
@@ -431,11 +481,11 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (block_size > MAX_BLOCK_SIZE || PyBytes_GET_SIZE(args[0]) > MAX_PARENT_SIZE) {
         Py_RETURN_NONE;
     }
-    return chain_impl(args[0], PySequence_Fast_ITEMS(args[1]), NULL, block_size, num_blocks, cbor);
+    return chain_impl(args[0], PySequence_Fast_ITEMS(args[1]), NULL, block_size, num_blocks, cbor, digest);
 }
 
 PyDoc_STRVAR(chain_packed_doc,
-"chain_packed(parent, token_bytes, first, block_size, num_blocks, cbor, /)\n--\n\n"
+"chain_packed(parent, token_bytes, first, block_size, num_blocks, cbor, digest=None, /)\n--\n\n"
 "chain() of the num_blocks blocks starting at token `first` of token_bytes, ids packed as native uint32\n"
 "(array('I').tobytes(), which every id fits): the score path's packed ids, hashed without a list of\n"
 "ints. None when parent has 256 bytes or more or block_size exceeds 4096.");
@@ -447,8 +497,13 @@ chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int cbor;
 
     (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "chain_packed() takes 6 positional arguments (%zd given)", nargs);
+    if (nargs != 6 && nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "chain_packed() takes 6 or 7 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *digest = nargs == 7 ? args[6] : Py_None;
+    if (digest != Py_None && !PyCallable_Check(digest)) {
+        PyErr_SetString(PyExc_TypeError, "chain_packed() wants a callable digest or None");
         return NULL;
     }
     if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
@@ -472,7 +527,7 @@ chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     const char *packed = PyBytes_AS_STRING(args[1]) + first * (Py_ssize_t)sizeof(uint32_t);
-    return chain_impl(args[0], NULL, packed, block_size, num_blocks, cbor);
+    return chain_impl(args[0], NULL, packed, block_size, num_blocks, cbor, digest);
 }
 
 PyDoc_STRVAR(pack_ids_doc,

@@ -1,12 +1,25 @@
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 def chain(
-    parent: bytes, tokens: Sequence[int], block_size: int, num_blocks: int, cbor: bool, /
+    parent: bytes,
+    tokens: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    cbor: bool,
+    digest: Callable[[bytes], bytes] | None = None,
+    /,
 ) -> list[bytes] | None: ...
 def chain_packed(
-    parent: bytes, token_bytes: bytes, first: int, block_size: int, num_blocks: int, cbor: bool, /
+    parent: bytes,
+    token_bytes: bytes,
+    first: int,
+    block_size: int,
+    num_blocks: int,
+    cbor: bool,
+    digest: Callable[[bytes], bytes] | None = None,
+    /,
 ) -> list[bytes] | None: ...
 def pack_ids(tokens: Sequence[int], /) -> bytes | None: ...
 def event_keys(digests: list[bytes], /) -> bytes: ...

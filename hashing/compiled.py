@@ -1,28 +1,46 @@
-"""Which core computes the plain blocks of the sha256 / sha256_cbor chains: compiled or pure Python.
+"""Which core computes the plain blocks of a chain: compiled or pure Python.
 
 The compiled core (kvindex.hashing._chain, hashing/_chain.c) is built by `pip install` when a C compiler
-and OpenSSL's headers are present; it serialises and hashes blocks without extra keys in C. The
-pure-Python code in hasher.py is the reference and runs everything else: xxhash algorithms, blocks with
-extra keys, and every block when the extension is absent or KVINDEX_PURE_PYTHON=1 was set at import.
+and OpenSSL's headers are present; it serialises blocks without extra keys in C and hashes them with
+SHA-256 itself, or, for the xxhash algorithms, with the algorithm's own digest function (core_digest).
+The pure-Python code in hasher.py is the reference and runs everything else: blocks with extra keys, and
+every block when the extension is absent or KVINDEX_PURE_PYTHON=1 was set at import.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
+
+from kvindex.hashing.algorithms import HashAlgo
 
 
 class ChainCore(Protocol):
     """What hashing/_chain.c exports (see hashing/_chain.pyi); None from either: leave it to Python."""
 
     def chain(
-        self, parent: bytes, tokens: Sequence[int], block_size: int, num_blocks: int, cbor: bool, /
+        self,
+        parent: bytes,
+        tokens: Sequence[int],
+        block_size: int,
+        num_blocks: int,
+        cbor: bool,
+        digest: Callable[[bytes], bytes] | None = None,
+        /,
     ) -> list[bytes] | None: ...
 
     def chain_packed(
-        self, parent: bytes, token_bytes: bytes, first: int, block_size: int, num_blocks: int, cbor: bool, /
+        self,
+        parent: bytes,
+        token_bytes: bytes,
+        first: int,
+        block_size: int,
+        num_blocks: int,
+        cbor: bool,
+        digest: Callable[[bytes], bytes] | None = None,
+        /,
     ) -> list[bytes] | None: ...
 
     def pack_ids(self, tokens: Sequence[int], /) -> bytes | None: ...
@@ -51,8 +69,8 @@ class ChainCore(Protocol):
     ) -> tuple[int, bytes]: ...
 
 
-# The algorithms the compiled core serves (it hashes with SHA-256 only).
-COMPILED_ALGOS: Final = frozenset({"sha256", "sha256_cbor"})
+# The algorithms the core hashes with its own SHA-256; it calls the others' digest function per block.
+CORE_SHA256_ALGOS: Final = frozenset({"sha256", "sha256_cbor"})
 
 
 def pure_python_forced() -> bool:
@@ -84,14 +102,15 @@ def load_extension() -> ChainCore | None:
 chain_core: ChainCore | None = None if pure_python_forced() else load_extension()
 
 
-def core_for(algo: str) -> ChainCore | None:
-    """The compiled core for hashers of `algo`, None where they use the pure path."""
-    return chain_core if algo in COMPILED_ALGOS else None
+def core_digest(algo: HashAlgo) -> Callable[[bytes], bytes] | None:
+    """The `digest` argument of the core's chain calls for `algo`: None where the core's own SHA-256 is
+    the algorithm's, else the algorithm's digest function (xxhash's xxh3_128_digest, as vLLM calls it)."""
+    return None if algo.name in CORE_SHA256_ALGOS else algo.digest
 
 
 def describe() -> str:
     """One line for the logs: which core runs."""
-    compiled = "compiled core (sha256, sha256_cbor); xxhash algorithms in pure Python"
+    compiled = "compiled core (sha256 in C; xxhash algorithms through xxhash's own digest)"
     return describe_choice(
         "block hashing", compiled if chain_core is not None else None, "pure Python", "the compiled core"
     )

@@ -129,9 +129,9 @@ class BlockHasher:
         self._root = root_hash(self._algo, seed)
         self._cbor_array_head = cbor_fast.array_head(block_size)
         self._cbor_parent_head = cbor_fast.preimage_head(len(self._root))
-        self._compiled = compiled.core_for(self._algo.name)
-        # Folding digests to keys does not depend on the algorithm: the core does it for every one.
-        self._key_core = compiled.chain_core
+        self._compiled = compiled.chain_core
+        # The core's SHA-256 (None), or the digest function it calls per block for the xxhash algorithms.
+        self._core_digest = compiled.core_digest(self._algo)
         self._memo = self._make_memo(memo_size)
         if self._algo.uses_cbor:
             # Built here rather than by the first prompt, so a service that makes its hashers at start-up
@@ -227,10 +227,10 @@ class BlockHasher:
             token_ids, lora_name, lora_path, cache_salt, mm, prompt_embeds_digests, lookahead, held
         )
         keys = array(EVENT_KEY_TYPECODE)
-        if self._key_core is None:
+        if self._compiled is None:
             keys.fromlist(event_hashes_of(digests, self._algo.digest_size))
         else:
-            keys.frombytes(self._key_core.event_keys(digests))
+            keys.frombytes(self._compiled.event_keys(digests))
         return keys
 
     def block_hashes_after(self, parent: bytes, token_ids: Sequence[int]) -> list[bytes]:
@@ -366,6 +366,7 @@ class BlockHasher:
                         block_size,
                         stop - start,
                         self._algo.uses_cbor,
+                        self._core_digest,
                     )
                 if found is not None:
                     digests.extend(found)
@@ -476,7 +477,7 @@ class BlockHasher:
         digests: list[bytes],
     ) -> None:
         """Append blocks first..stop-1 to `digests` (which holds blocks 0..first-1); `tokens` starts at
-        block `first`. Plain blocks of the sha256 algorithms go to the compiled core when it is in use."""
+        block `first`. Plain blocks go to the compiled core when it is in use."""
         if extras is None and self._compiled is not None:
             found = self._compiled.chain(
                 digests[-1] if digests else self._root,
@@ -484,6 +485,7 @@ class BlockHasher:
                 self._block_size,
                 stop - first,
                 self._algo.uses_cbor,
+                self._core_digest,
             )
             if found is not None:  # None: what C leaves to the reference (ids >= 2**64, huge blocks)
                 digests.extend(found)

@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 from array import array
+from collections.abc import Callable
 
 import cbor2
 import pytest
@@ -28,13 +29,24 @@ block_sizes = st.sampled_from([1, 2, 3, 4, 5, 16, 17, 64])
 examples = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def reference_chain(parent: bytes, tokens: list[int], block_size: int, cbor: bool) -> list[bytes]:
-    """vLLM's formula: sha256 over pickle protocol 5 or canonical CBOR, block by block."""
+# The core's `digest` argument: None (its own SHA-256), or the function the xxhash algorithms pass.
+core_digests = st.sampled_from([None, xxhash.xxh3_128_digest])
+
+
+def reference_chain(
+    parent: bytes,
+    tokens: list[int],
+    block_size: int,
+    cbor: bool,
+    digest: Callable[[bytes], bytes] | None = None,
+) -> list[bytes]:
+    """vLLM's formula: sha256 (or `digest`: xxhash's xxh3_128_digest, as vLLM's xxhash algorithms call it)
+    over pickle protocol 5 or canonical CBOR, block by block."""
     digests = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         obj = (parent, tuple(tokens[start : start + block_size]), None)
         data = cbor2.dumps(obj, canonical=True) if cbor else pickle.dumps(obj, protocol=5)
-        parent = hashlib.sha256(data).digest()
+        parent = hashlib.sha256(data).digest() if digest is None else digest(data)
         digests.append(parent)
     return digests
 
@@ -70,16 +82,22 @@ def test_every_width_boundary_serialises_exactly(token: int, cbor: bool) -> None
     block_size=block_sizes,
     cbor=st.booleans(),
     as_tuple=st.booleans(),
+    digest=core_digests,
 )
 @examples
 def test_chain_equals_the_reference(
-    parent: bytes, tokens: list[int], block_size: int, cbor: bool, as_tuple: bool
+    parent: bytes,
+    tokens: list[int],
+    block_size: int,
+    cbor: bool,
+    as_tuple: bool,
+    digest: Callable[[bytes], bytes] | None,
 ) -> None:
     core = require_extension()
     num_blocks = len(tokens) // block_size
     sequence = tuple(tokens) if as_tuple else tokens
-    assert core.chain(parent, sequence, block_size, num_blocks, cbor) == reference_chain(
-        parent, tokens, block_size, cbor
+    assert core.chain(parent, sequence, block_size, num_blocks, cbor, digest) == reference_chain(
+        parent, tokens, block_size, cbor, digest
     )
 
 
@@ -91,18 +109,72 @@ def test_chain_equals_the_reference(
     block_size=block_sizes,
     first_block=st.integers(0, 5),
     cbor=st.booleans(),
+    digest=core_digests,
 )
 @examples
 def test_chain_packed_equals_the_reference_from_any_block(
-    parent: bytes, tokens: list[int], block_size: int, first_block: int, cbor: bool
+    parent: bytes,
+    tokens: list[int],
+    block_size: int,
+    first_block: int,
+    cbor: bool,
+    digest: Callable[[bytes], bytes] | None,
 ) -> None:
     core = require_extension()
     first = min(first_block * block_size, len(tokens))
     num_blocks = (len(tokens) - first) // block_size
     packed = array("I", tokens).tobytes()
-    assert core.chain_packed(parent, packed, first, block_size, num_blocks, cbor) == reference_chain(
-        parent, tokens[first : first + num_blocks * block_size], block_size, cbor
+    assert core.chain_packed(parent, packed, first, block_size, num_blocks, cbor, digest) == reference_chain(
+        parent, tokens[first : first + num_blocks * block_size], block_size, cbor, digest
     )
+
+
+def test_a_digest_function_that_fails_or_returns_no_usable_parent_raises() -> None:
+    """The digest function is the algorithm's own (never the client's); should one misbehave, the chain
+    raises rather than hash on from a wrong parent."""
+    core = require_extension()
+    packed = array("I", [1, 2, 3, 4]).tobytes()
+
+    def broken(data: bytes) -> bytes:
+        raise RuntimeError("digest failed")
+
+    with pytest.raises(RuntimeError, match="digest failed"):
+        core.chain(bytes(16), [1, 2, 3, 4], 2, 2, False, broken)
+    with pytest.raises(RuntimeError, match="digest failed"):
+        core.chain_packed(bytes(16), packed, 0, 2, 2, True, broken)
+    for wrong in (lambda data: "text", lambda data: bytearray(16), lambda data: bytes(256)):
+        with pytest.raises(TypeError, match="the digest function must return bytes"):
+            core.chain(bytes(16), [1, 2, 3, 4], 2, 2, False, wrong)
+        with pytest.raises(TypeError, match="the digest function must return bytes"):
+            core.chain_packed(bytes(16), packed, 0, 2, 2, False, wrong)
+    with pytest.raises(TypeError):
+        core.chain(bytes(16), [1, 2], 2, 1, False, b"not callable")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        core.chain_packed(bytes(16), packed, 0, 2, 2, False, 7)  # type: ignore[arg-type]
+
+    # A digest of 255 bytes is still a parent pickle writes as SHORT_BINBYTES.
+    def longest(data: bytes) -> bytes:
+        return (hashlib.sha256(data).digest() * 8)[:255]
+
+    assert core.chain(bytes(16), [1, 2, 3, 4], 2, 2, False, longest) == reference_chain(
+        bytes(16), [1, 2, 3, 4], 2, False, longest
+    )
+
+
+def test_the_xxhash_algorithms_run_on_the_core_with_their_own_digest() -> None:
+    """Every algorithm's hasher takes the compiled core; the xxhash ones hand it xxh3_128_digest."""
+    core = require_extension()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "chain_core", core)
+        for algo in HASH_ALGOS:
+            hasher = BlockHasher(algo, 16, "0")
+            assert hasher._compiled is core
+            expected_digest = None if algo.startswith("sha256") else xxhash.xxh3_128_digest
+            assert hasher._core_digest is expected_digest
+            tokens = list(range(64))
+            assert hasher.block_hashes(tokens) == reference_chain(
+                hasher.root, tokens, 16, algo.endswith("_cbor"), expected_digest
+            )
 
 
 @given(
