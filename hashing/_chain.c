@@ -402,7 +402,8 @@ chain_impl(PyObject *parent_obj, PyObject *const *items, const char *packed, Py_
     chain_job job;
 
     tokens = PyMem_Malloc(count > 0 ? (size_t)count * sizeof(uint64_t) : 1);
-    scratch = PyMem_Malloc(preimage_cap + (size_t)num_blocks * DIGEST_SIZE);
+    /* The SHA-256 digests land in scratch; a digest function's are Python bytes from the start. */
+    scratch = PyMem_Malloc(preimage_cap + (digest == Py_None ? (size_t)num_blocks * DIGEST_SIZE : 0));
     if (tokens == NULL || scratch == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -433,6 +434,24 @@ done:
     return result;
 }
 
+/* The optional trailing digest argument of chain() / chain_packed() (`name`), at args[at]: None when absent;
+ * NULL with a TypeError when it is neither None nor callable. */
+static PyObject *
+digest_argument(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
+{
+    if (nargs != at && nargs != at + 1) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd positional arguments (%zd given)", name, at, at + 1,
+                     nargs);
+        return NULL;
+    }
+    PyObject *digest = nargs > at ? args[at] : Py_None;
+    if (digest != Py_None && !PyCallable_Check(digest)) {
+        PyErr_Format(PyExc_TypeError, "%s() wants a callable digest or None", name);
+        return NULL;
+    }
+    return digest;
+}
+
 PyDoc_STRVAR(chain_doc,
 "chain(parent, tokens, block_size, num_blocks, cbor, digest=None, /)\n--\n\n"
 "SHA-256 digests of the first num_blocks blocks of block_size tokens (a list or tuple), chained from\n"
@@ -449,13 +468,8 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int cbor;
 
     (void)module;
-    if (nargs != 5 && nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "chain() takes 5 or 6 positional arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *digest = nargs == 6 ? args[5] : Py_None;
-    if (digest != Py_None && !PyCallable_Check(digest)) {
-        PyErr_SetString(PyExc_TypeError, "chain() wants a callable digest or None");
+    PyObject *digest = digest_argument("chain", args, nargs, 5); /* borrowed */
+    if (digest == NULL) {
         return NULL;
     }
     if (!PyBytes_Check(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
@@ -497,13 +511,8 @@ chain_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int cbor;
 
     (void)module;
-    if (nargs != 6 && nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "chain_packed() takes 6 or 7 positional arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *digest = nargs == 7 ? args[6] : Py_None;
-    if (digest != Py_None && !PyCallable_Check(digest)) {
-        PyErr_SetString(PyExc_TypeError, "chain_packed() wants a callable digest or None");
+    PyObject *digest = digest_argument("chain_packed", args, nargs, 6); /* borrowed */
+    if (digest == NULL) {
         return NULL;
     }
     if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
