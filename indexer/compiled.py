@@ -100,6 +100,20 @@ def load_event_span() -> EventSpan | None:
 # Read per call by decode.py.
 event_span: EventSpan | None = None if pure_python_forced() else load_event_span()
 
+# (payload, pos) -> (that BlockStored's token ids as array('I') bytes, its block keys as array('Q') bytes), or
+# None (another event or shape, an id outside 32 bits: decode it with msgspec).
+StoredTokenIds = Callable[[bytes, int], "tuple[bytes, bytes] | None"]
+
+
+def load_stored_token_ids() -> StoredTokenIds | None:
+    """kvindex.indexer._payload's stored_token_ids (None: not built)."""
+    loaded: StoredTokenIds | None = _payload_function("stored_token_ids")
+    return loaded
+
+
+# Read per call by decode.py.
+stored_token_ids: StoredTokenIds | None = None if pure_python_forced() else load_stored_token_ids()
+
 
 def describe() -> str:
     """One line for the logs: which core runs."""

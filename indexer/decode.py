@@ -7,6 +7,8 @@ event that still cannot be read is dropped and counted by reason, and the rest o
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -88,6 +90,9 @@ REASON_BAD_HASH = "bad_hash"  # event: a hash that is not a 64-bit int or a dige
 # RecursionError rather than a msgspec error. vLLM's own nesting is a few levels.
 REASON_TOO_DEEP = "too_deep"
 
+# stored_token_ids' packed forms: the hash core's packed ids (uint32), and the events' keys (uint64).
+_ID_TYPECODE = "I"
+_KEY_TYPECODE = "Q"
 _MAP_MARKERS = frozenset({0xDE, 0xDF, *range(0x80, 0x90)})
 _ARRAY_MARKERS = frozenset({0xDC, 0xDD, *range(0x90, 0xA0)})
 
@@ -230,6 +235,30 @@ def raw_event(payload: bytes, pos: int) -> msgspec.Raw | None:
         return msgspec.Raw(memoryview(payload)[span[0] : span[1]])
     events = raw_events(payload)
     return events[pos] if 0 <= pos < len(events) else None
+
+
+def stored_token_ids(payload: bytes, pos: int, block_keys: Sequence[int]) -> Sequence[int] | None:
+    """The token ids of event `pos` of a batch, read again from its bytes (the hot path skipped them), if that
+    event is a BlocksStored of these block keys; None if it is not (the batch was read around a dropped
+    event) or cannot be read. The compiled reader gives them as an array('I'), which the hash core takes
+    without an int object per id; otherwise the event is decoded in full with msgspec."""
+    read_ids = compiled.stored_token_ids
+    read = None if read_ids is None else read_ids(payload, pos)
+    if read is not None:
+        packed_ids, packed_keys = read
+        if packed_keys != array(_KEY_TYPECODE, block_keys).tobytes():
+            return None
+        token_ids = array(_ID_TYPECODE)
+        token_ids.frombytes(packed_ids)
+        return token_ids
+    try:
+        raw = raw_event(payload, pos)
+        event = None if raw is None else decode_event(raw)
+    except (DecodeError, EventError, ConvertError):
+        return None
+    if not isinstance(event, BlocksStored) or event.block_keys != tuple(block_keys):
+        return None
+    return event.token_ids
 
 
 def raw_events(payload: bytes) -> list[msgspec.Raw]:

@@ -8,9 +8,11 @@ Pure: no IO, clocks or threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 
 from kvindex.hashing import HASH_ALGOS, BlockHasher, HashingError
+from kvindex.hashing.hasher import EVENT_KEY_TYPECODE
 from kvindex.indexer.events import BlocksStored
 from kvindex.indexer.model import ModelConfig
 
@@ -27,25 +29,32 @@ def could_be_checkable(event: BlocksStored, block_size: int) -> bool:
         return False
     if event.lora_name is not None or event.lookahead_token_ids is not None:
         return False
-    return event.extra_keys is None or all(key is None for key in event.extra_keys)
+    extra_keys = event.extra_keys
+    return extra_keys is None or extra_keys.count(None) == len(extra_keys)
 
 
-def is_checkable(event: BlocksStored, block_size: int) -> bool:
-    """True when the event's keys can be recomputed from its own token_ids with `block_size`.
+def is_checkable(event: BlocksStored, block_size: int, token_ids: Sequence[int] | None = None) -> bool:
+    """True when the event's keys can be recomputed from its token ids with `block_size` (`token_ids`: the
+    event's ids read apart from it, for an event decoded without them).
 
     Needs: a run from block 0 (no parent), no extra keys (LoRA paths, MM, salts are not all published),
-    no lookahead, and token_ids covering exactly the blocks (no skipped null blocks).
+    no lookahead, and token ids covering exactly the blocks (no skipped null blocks).
     """
-    return (
-        could_be_checkable(event, block_size) and len(event.token_ids) == len(event.block_keys) * block_size
-    )
+    ids = event.token_ids if token_ids is None else token_ids
+    return could_be_checkable(event, block_size) and len(ids) == len(event.block_keys) * block_size
 
 
 def hashes_agree(event: BlocksStored, hasher: BlockHasher) -> bool:
     """The event's keys equal the hasher's event hashes of its tokens (call only if `is_checkable`)."""
+    return keys_agree(event.block_keys, event.token_ids, hasher)
+
+
+def keys_agree(block_keys: Sequence[int], token_ids: Sequence[int], hasher: BlockHasher) -> bool:
+    """`hashes_agree` of an event's keys and token ids held apart (the ids may be a packed array('I'),
+    which the hasher takes as it is)."""
     try:
-        return list(event.block_keys) == hasher.event_hashes(list(event.token_ids))
-    except HashingError:
+        return hasher.event_key_array(token_ids) == array(EVENT_KEY_TYPECODE, block_keys)
+    except (HashingError, OverflowError):  # OverflowError: a key outside 64 bits cannot be vLLM's
         return False
 
 

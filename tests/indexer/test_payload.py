@@ -6,7 +6,8 @@ cannot read is left to the original (None), never misread and never a crash."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -24,9 +25,13 @@ from kvindex.indexer.decode import (
     decode_batch,
     decode_event,
     raw_event,
+    raw_events,
     read_default_shapes,
+    stored_token_ids,
 )
 from kvindex.indexer.events import TIER_GPU, AllBlocksCleared, BlocksRemoved, BlocksStored
+from kvindex.replay.publisher import encode_batch
+from kvindex.replay.wire import BlockStored, KVEventBatch
 from replay_support import load_vectors
 
 from benchmarks.workload import WorkloadSpec, build_workload, encode_engine
@@ -538,3 +543,115 @@ def test_an_event_s_span_in_a_damaged_batch_is_never_another_event(
             decode_event(with_span)
         except (EventError, ConvertError):
             pass
+
+
+# --- stored_token_ids: the hash check's token ids of one event ---------------------------------------
+
+
+def stored_ids_both_ways(
+    payload: bytes, pos: int, block_keys: Sequence[int], patch: pytest.MonkeyPatch
+) -> tuple[Any, Any]:
+    """stored_token_ids' answer (ids as a list, or None) without the compiled reader, then with it."""
+    reader = require_built(compiled.load_stored_token_ids(), "kvindex.indexer._payload", "a C compiler")
+
+    def answer() -> Any:
+        token_ids = stored_token_ids(payload, pos, block_keys)
+        return None if token_ids is None else list(token_ids)
+
+    patch.setattr(compiled, "stored_token_ids", None)
+    without = answer()
+    patch.setattr(compiled, "stored_token_ids", reader)
+    return without, answer()
+
+
+def msgspec_events(payload: bytes) -> list[Any]:
+    """Each event of the batch as msgspec's general path decodes it alone (None: it cannot)."""
+    events: list[Any] = []
+    for raw in raw_events(payload):
+        try:
+            events.append(decode_event(raw))
+        except (EventError, ConvertError):
+            events.append(None)
+    return events
+
+
+def test_a_stored_event_s_token_ids_are_the_ones_msgspec_decodes() -> None:
+    """Every event of every recorded batch: a BlocksStored's ids, read again with its own keys, are msgspec's
+    (as an array('I') from the reader); with other keys, at another kind of event or past the end, None."""
+    reader = require_built(compiled.load_stored_token_ids(), "kvindex.indexer._payload", "a C compiler")
+    read_by_reader = default_shape_stored = 0
+    with pytest.MonkeyPatch.context() as patch:
+        for payload in recorded_payloads():
+            events = msgspec_events(payload)
+            (batch_read,) = read_default_shapes([payload])
+            if batch_read is not None:  # the batch reader took it: each of its stored events is readable
+                default_shape_stored += sum(isinstance(event, BlocksStored) for event in events)
+            for pos, event in enumerate(events):
+                if not isinstance(event, BlocksStored):
+                    assert stored_ids_both_ways(payload, pos, (), patch) == (None, None), pos
+                    continue
+                assert stored_ids_both_ways(payload, pos, event.block_keys, patch) == (
+                    list(event.token_ids),
+                    list(event.token_ids),
+                )
+                if reader(payload, pos) is not None:
+                    read_by_reader += 1
+                    ids = stored_token_ids(payload, pos, event.block_keys)
+                    assert isinstance(ids, array) and ids.typecode == "I"
+                other_keys = (*event.block_keys[:-1], event.block_keys[-1] ^ 1) if event.block_keys else (7,)
+                assert stored_ids_both_ways(payload, pos, other_keys, patch) == (None, None)
+            assert stored_ids_both_ways(payload, len(events), (), patch) == (None, None)
+            assert stored_ids_both_ways(payload, -1, (), patch) == (None, None)
+    assert read_by_reader == default_shape_stored > 0
+
+
+def test_token_ids_beyond_32_bits_are_left_to_msgspec() -> None:
+    """The packed form holds uint32 ids: a larger one (or a negative one) makes the reader decline, and
+    msgspec's decode gives the ids as they are (the hasher then judges them)."""
+    reader = require_built(compiled.load_stored_token_ids(), "kvindex.indexer._payload", "a C compiler")
+    for odd_id in (2**32, 2**40 + 3, -1):
+        event = BlockStored(
+            block_hashes=[11, 12],
+            parent_block_hash=None,
+            token_ids=[1, odd_id, 3, 4],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        payload = encode_batch(KVEventBatch(ts=1.0, events=[event]))
+        assert reader(payload, 0) is None
+        with pytest.MonkeyPatch.context() as patch:
+            assert stored_ids_both_ways(payload, 0, (11, 12), patch) == ([1, odd_id, 3, 4], [1, odd_id, 3, 4])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cut=st.integers(0, 10_000),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    pos=st.integers(0, 9),
+)
+def test_a_damaged_batch_s_token_ids_are_never_another_event_s(
+    cut: int, flips: list[tuple[int, int]], pos: int
+) -> None:
+    """Whatever the damage, ids the reader gives are those msgspec decodes from that event's own bytes, with
+    the keys asked for: never another event's, never a crash."""
+    reader = require_built(compiled.load_stored_token_ids(), "kvindex.indexer._payload", "a C compiler")
+    payload = damaged_payload(cut, flips)
+    read = reader(payload, pos)
+    if read is None:
+        return
+    packed_ids, packed_keys = read
+    span = compiled.load_event_span()
+    assert span is not None
+    start_stop = span(payload, pos)
+    assert start_stop is not None
+    try:
+        event = decode_event(payload[start_stop[0] : start_stop[1]])
+    except (EventError, ConvertError):
+        # A field the check never reads is damaged (a string that is not UTF-8): msgspec refuses the event,
+        # the reader does not; the worker only asks about events a decoder read, with their keys.
+        return
+    assert isinstance(event, BlocksStored)
+    assert array("Q", event.block_keys).tobytes() == packed_keys
+    assert array("I", event.token_ids).tobytes() == packed_ids

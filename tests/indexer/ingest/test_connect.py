@@ -5,6 +5,7 @@ ends with the index equal to what the engines hold (the reference), or the pod f
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -184,6 +185,26 @@ def test_engines_with_another_seed_are_flagged(engines: list[Engine]) -> None:
         assert status_of(service, engine).hash_mismatches_total >= 1
     finally:
         service.stop()
+
+
+def test_a_flagged_pod_s_log_names_the_seed_its_engines_hash_with(
+    engines: list[Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The diagnosis recomputes the sampled event from its token ids (read apart from the event on the
+    hot path): only the right ids reproduce the engine's keys under seed "0"."""
+    engine = Engine("pod-a", hash_seed="0")  # the indexer expects PYTHONHASHSEED unset
+    engines.append(engine)
+    service = IngestService([MODEL], [engine.pod_config()], settings=FAST)
+    with caplog.at_level(logging.WARNING, logger="kvindex.indexer.ingest"):
+        service.start()
+        try:
+            engine.store_prompt()
+            engine.flush()
+            wait_for(lambda: status_of(service, engine).state == "hash_mismatch", what="hash_mismatch")
+            wait_for(lambda: "block hashes differ" in caplog.text, what="the mismatch logged")
+        finally:
+            service.stop()
+    assert "engines hash with hash_seed='0' (configured unset)" in caplog.text
 
 
 def test_a_service_with_no_pods_and_no_listen_starts_ready_and_holds_what_tools_apply() -> None:
