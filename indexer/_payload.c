@@ -1,6 +1,7 @@
-/* kvindex.indexer._payload: vLLM KV-event batches for the ingest hot path (indexer/decode.py), which never
- * reads their token ids. `read_events` (at the end) builds kvindex's events of a default-shape batch
- * itself; `without_token_ids` (first) copies any other batch it can without its token ids.
+/* kvindex.indexer._payload: vLLM KV-event batches for the ingest hot path (indexer/decode.py), which reads
+ * their token ids only for the sampled hash check. `read_events` (at the end) builds kvindex's events of a default-shape batch
+ * itself; `without_token_ids` (first) copies any other batch it can without its token ids; `stored_token_ids`
+ * reads the token ids of the one event the hash check samples, packed for the hash core.
  *
  * Token ids are most of a batch's bytes (16 per block against one hash), and msgspec must still walk them
  * to skip them: that was the largest single cost of ingest, all of it under the GIL. `without_token_ids`

@@ -5,7 +5,8 @@ The compiled cores are built by `pip install` when a C compiler is present:
   as indexer/shard.py in ~40 bytes per pair instead of ~100; shard.py's `Shard` is the reference;
 - kvindex.indexer._payload (indexer/_payload.c) reads a batch of vLLM's default shape straight into
   kvindex's events (`read_events`), or copies it without its token ids (`without_token_ids`), mostly off
-  the GIL, for decode's hot path; without it msgspec decodes the original (the same events).
+  the GIL, for decode's hot path, and reads one event's token ids packed for the hash check
+  (`stored_token_ids`); without it msgspec decodes the original (the same events and ids).
 Both give way to pure Python when their extension is absent or KVINDEX_PURE_PYTHON=1 was set at import
 (the switch the hash core reads too).
 """
