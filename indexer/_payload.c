@@ -974,19 +974,31 @@ read_events_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     return read_payloads(args[0], args + 1, READ_MANY_RELEASE_GIL_BYTES);
 }
 
-/* Move `r` from a batch's start to its event `pos` ([ts, [event, ...], rank?]); -1 for another outline, too
- * few events or bad bytes. */
+/* The arguments (payload: bytes, pos: int) of event_span and stored_token_ids: `r` over the payload, moved to
+ * its event `pos` ([ts, [event, ...], rank?]). 1 when it is there; 0 when there is no such event (another
+ * outline, too few events, bad bytes: the caller answers None); -1 with a TypeError for other arguments. */
 static int
-seek_event(Reader *r, Py_ssize_t pos)
+at_event(PyObject *const *args, Py_ssize_t nargs, const char *signature, Reader *r)
 {
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, signature);
+        return -1;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    r->p = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    r->end = r->p + PyBytes_GET_SIZE(args[0]);
     int is_map;
     uint64_t count, num_events;
     if (pos < 0 || read_container(r, &is_map, &count) < 0 || is_map || count < 2 || count > 3 || skip(r, 1) < 0 ||
         read_container(r, &is_map, &num_events) < 0 || is_map || (uint64_t)pos >= num_events ||
         skip_items(r, (uint64_t)pos, 2) < 0) {
-        return -1;
+        return 0;
     }
-    return 0;
+    return 1;
 }
 
 /* Where event `pos` of an array-shaped batch lies in its bytes, for the hash check, which decodes that one
@@ -995,20 +1007,12 @@ seek_event(Reader *r, Py_ssize_t pos)
 static PyObject *
 event_span(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "event_span(payload: bytes, pos: int)");
-        return NULL;
-    }
-    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
-    if (pos == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
+    Reader r;
+    int found = at_event(args, nargs, "event_span(payload: bytes, pos: int)", &r);
+    if (found <= 0) {
+        return found < 0 ? NULL : Py_NewRef(Py_None);
     }
     const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
-    Reader r = {data, data + PyBytes_GET_SIZE(args[0])};
-    if (seek_event(&r, pos) < 0) {
-        Py_RETURN_NONE;
-    }
     const uint8_t *start = r.p;
     if (skip(&r, 2) < 0) {
         Py_RETURN_NONE;
@@ -1025,23 +1029,16 @@ event_span(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 stored_token_ids(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "stored_token_ids(payload: bytes, pos: int)");
-        return NULL;
+    Reader r;
+    int found = at_event(args, nargs, "stored_token_ids(payload: bytes, pos: int)", &r);
+    if (found <= 0) {
+        return found < 0 ? NULL : Py_NewRef(Py_None);
     }
-    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
-    if (pos == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
-    Reader r = {data, data + PyBytes_GET_SIZE(args[0])};
     Parsed parsed;
     EventFields ev;
     memset(&parsed, 0, sizeof(parsed));
     PyObject *result = NULL;
-    if (seek_event(&r, pos) < 0 || read_event(&r, &parsed, &ev) < 0 || ev.kind != KIND_STORED ||
-        ev.token_ids_at == NULL) {
+    if (read_event(&r, &parsed, &ev) < 0 || ev.kind != KIND_STORED || ev.token_ids_at == NULL) {
         goto declined;
     }
     Reader ids = {ev.token_ids_at, r.p};

@@ -85,6 +85,12 @@ def recorded_payloads() -> list[bytes]:
     return payloads
 
 
+# damaged_payload's arguments, and the settings every test over damaged batches runs with.
+CUTS = st.integers(0, 10_000)
+FLIPS = st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4)
+over_damaged_batches = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
 def damaged_payload(cut: int, flips: list[tuple[int, int]]) -> bytes:
     """A recorded payload (picked by `cut`) with bytes overwritten at `flips` and up to 6 bytes cut off."""
     payloads = recorded_payloads()
@@ -194,10 +200,10 @@ def test_any_batch_loses_exactly_its_map_events_token_ids(batch: list[Any]) -> N
     assert msgspec.msgpack.decode(slim) == expected(payload)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@over_damaged_batches
 @given(
-    cut=st.integers(0, 10_000),
-    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    cut=CUTS,
+    flips=FLIPS,
 )
 def test_damaged_batches_are_never_misread(cut: int, flips: list[tuple[int, int]]) -> None:
     without = require_extension()
@@ -411,10 +417,10 @@ def test_read_events_and_msgspec_agree_on_any_batch(
     assert through_reader == original
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@over_damaged_batches
 @given(
-    cut=st.integers(0, 10_000),
-    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    cut=CUTS,
+    flips=FLIPS,
 )
 def test_read_events_on_damaged_batches_agrees_with_msgspec(cut: int, flips: list[tuple[int, int]]) -> None:
     payload = damaged_payload(cut, flips)
@@ -493,6 +499,16 @@ def test_without_the_reader_a_drain_is_left_to_msgspec() -> None:
 # --- event_span: the hash check's one event ----------------------------------------------------------
 
 
+def without_then_with(
+    patch: pytest.MonkeyPatch, name: str, built: Any, answer: Callable[[], Any]
+) -> tuple[Any, Any]:
+    """answer() with compiled.`name` unset (decode.py's msgspec path), then with the extension's `built`."""
+    patch.setattr(compiled, name, None)
+    without = answer()
+    patch.setattr(compiled, name, built)
+    return without, answer()
+
+
 def raw_event_both_ways(payload: bytes, pos: int, patch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """raw_event's bytes (or None, or the DecodeError) without the extension, then with it."""
     require_built(compiled.load_event_span(), "kvindex.indexer._payload", "a C compiler")
@@ -504,10 +520,7 @@ def raw_event_both_ways(payload: bytes, pos: int, patch: pytest.MonkeyPatch) -> 
             return ("DecodeError", exc.reason)
         return None if raw is None else bytes(raw)
 
-    patch.setattr(compiled, "event_span", None)
-    without = answer()
-    patch.setattr(compiled, "event_span", compiled.load_event_span())
-    return without, answer()
+    return without_then_with(patch, "event_span", compiled.load_event_span(), answer)
 
 
 def test_an_event_s_span_is_the_event_msgspec_splits_out() -> None:
@@ -520,10 +533,10 @@ def test_an_event_s_span_is_the_event_msgspec_splits_out() -> None:
                 assert (without is None) == (not 0 <= pos < count)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@over_damaged_batches
 @given(
-    cut=st.integers(0, 10_000),
-    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    cut=CUTS,
+    flips=FLIPS,
     pos=st.integers(0, 9),
 )
 def test_an_event_s_span_in_a_damaged_batch_is_never_another_event(
@@ -558,10 +571,7 @@ def stored_ids_both_ways(
         token_ids = stored_token_ids(payload, pos, block_keys)
         return None if token_ids is None else list(token_ids)
 
-    patch.setattr(compiled, "stored_token_ids", None)
-    without = answer()
-    patch.setattr(compiled, "stored_token_ids", reader)
-    return without, answer()
+    return without_then_with(patch, "stored_token_ids", reader, answer)
 
 
 def msgspec_events(payload: bytes) -> list[Any]:
@@ -625,10 +635,10 @@ def test_token_ids_beyond_32_bits_are_left_to_msgspec() -> None:
             assert stored_ids_both_ways(payload, 0, (11, 12), patch) == ([1, odd_id, 3, 4], [1, odd_id, 3, 4])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@over_damaged_batches
 @given(
-    cut=st.integers(0, 10_000),
-    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    cut=CUTS,
+    flips=FLIPS,
     pos=st.integers(0, 9),
 )
 def test_a_damaged_batch_s_token_ids_are_never_another_event_s(
