@@ -246,7 +246,9 @@ def test_every_anomaly_at_every_offset_of_a_long_array_is_read_right_or_declined
             if packed is not None:
                 assert packed == _reference(damaged), (at, anomaly)
                 read += 1
-    assert read > 0  # some insertions (an id of 8 digits between two commas, ",7", ...) are plain arrays still
+    assert (
+        read > 0
+    )  # some insertions (an id of 8 digits between two commas, ",7", ...) are plain arrays still
 
 
 @pytest.mark.parametrize(
