@@ -205,11 +205,13 @@ class ScoreHandler:
                     resolve_lora_path(runtime.config, score_request),
                 )
             answer = self._answer(runtime, holder_ids, score_request)
-        encoded = self._encode(started, runtime.config, score_request, answer)
+        encoded, best = self._encode(runtime.config, score_request, answer)
+        self.observe(started, best)
         return web.Response(body=encoded, content_type="application/json")
 
-    def answer_now(self, body: bytes) -> bytes | None:
-        """The encoded 200 answer to a request `body`, computed on the calling (event loop) thread; None when
+    def answer_now(self, body: bytes) -> tuple[bytes, float, int] | None:
+        """The encoded 200 answer to a request `body`, computed on the calling (event loop) thread, with when
+        it began (perf_counter) and its best match, for `observe` once the answer is on its way; None when
         it needs a thread (a prompt of `hash_in_executor_min_tokens` or more, or a remote store): `handle`
         answers those. A client mistake raises RequestError, as in `handle`."""
         started = time.perf_counter()
@@ -219,9 +221,14 @@ class ScoreHandler:
         holder_ids = self._holders_now(runtime, score_request)
         if holder_ids is None:
             return None
-        return self._encode(
-            started, runtime.config, score_request, self._answer(runtime, holder_ids, score_request)
+        encoded, best = self._encode(
+            runtime.config, score_request, self._answer(runtime, holder_ids, score_request)
         )
+        return encoded, started, best
+
+    def observe(self, started: float, best_matched_blocks: int) -> None:
+        """Count one answer in the score metrics: its latency from `started` to now, its best match."""
+        self._metrics.observe_score(started, best_matched_blocks)
 
     def _parse(self, body: bytes) -> tuple[ScoreRequest, ModelRuntime]:
         score_request = decode_score_request(body)
@@ -230,11 +237,11 @@ class ScoreHandler:
 
     def _encode(
         self,
-        started: float,
         config: ModelConfig,
         request: ScoreRequest,
         answer: tuple[bytes, int, list[str] | msgspec.UnsetType],
-    ) -> bytes:
+    ) -> tuple[bytes, int]:
+        """The response body, and the best entry's matched blocks (for `observe`)."""
         scores, best, unknown_pods = answer
         response = EncodedScoreResponse(
             model=config.name,
@@ -243,8 +250,7 @@ class ScoreHandler:
             scores=msgspec.Raw(scores),
             unknown_pods=unknown_pods,
         )
-        self._metrics.observe_score(started, best)
-        return JSON_ENCODER.encode(response)
+        return JSON_ENCODER.encode(response), best
 
     def _answer_keys(
         self, runtime: ModelRuntime, block_keys: Sequence[int], request: ScoreRequest
