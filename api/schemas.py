@@ -197,18 +197,35 @@ def decode_score_request(body: bytes) -> ScoreRequest:
     array('Q'), read straight from the JSON (the rest of the body is decoded with them replaced by null);
     every other body, and every failure, is decode_score_request_exact's (the same values or error).
     """
+    split = split_ids(body)
+    if split is not None:
+        request = decode_with_ids(*split)
+        if request is not None:
+            return request
+    return decode_score_request_exact(body)
+
+
+def split_ids(body: bytes) -> tuple[str, array[int], bytes] | None:
+    """With the compiled reader, a body's plain id array: (its key, the ids as array('I') or array('Q'),
+    the body with the array replaced by null); None for any other body, or without the reader."""
     find = id_arrays.find_ids
     found = None if find is None else find(body)
-    if found is not None:
-        key, packed, start, stop = found
-        try:
-            rest = SCORE_REQUEST_DECODER.decode(body[:start] + b"null" + body[stop:])
-        except msgspec.DecodeError:  # ValidationError included: the exact decoder names the field
-            return decode_score_request_exact(body)
-        ids = array(id_arrays.TYPECODES[key])
-        ids.frombytes(packed)
-        return msgspec.structs.replace(rest, **{key: ids})
-    return decode_score_request_exact(body)
+    if found is None:
+        return None
+    key, packed, start, stop = found
+    ids = array(id_arrays.TYPECODES[key])
+    ids.frombytes(packed)
+    return key, ids, body[:start] + b"null" + body[stop:]
+
+
+def decode_with_ids(key: str, ids: array[int], rest: bytes) -> ScoreRequest | None:
+    """The request `split_ids` took apart; None if `rest` does not decode (decode_score_request_exact of
+    the whole body then gives the error, naming the field)."""
+    try:
+        template = SCORE_REQUEST_DECODER.decode(rest)
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    return msgspec.structs.replace(template, **{key: ids})
 
 
 def decode_score_request_exact(body: bytes) -> ScoreRequest:
@@ -264,10 +281,8 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
     if has_tokens == has_hashes:
         which = "both" if has_tokens else "neither"
         raise RequestError("token_ids", f"give exactly one of token_ids or block_hashes (got {which})")
-    if request.token_ids is not None:
-        _check_length("token_ids", len(request.token_ids), max_tokens)
+    validate_ids(request, max_tokens=max_tokens)
     if request.block_hashes is not None:
-        _check_length("block_hashes", len(request.block_hashes), max_tokens)
         # One C pass; the index only on failure. An array('Q') (the compiled reader's) holds nothing larger.
         if type(request.block_hashes) is not array and max(request.block_hashes) > MAX_BLOCK_HASH:
             i = next(i for i, block_hash in enumerate(request.block_hashes) if block_hash > MAX_BLOCK_HASH)
@@ -289,6 +304,16 @@ def validate_score_request(request: ScoreRequest, *, max_tokens: int) -> None:
         for i, state in enumerate(request.states):
             if state not in ALL_STATES:
                 raise RequestError(f"states[{i}]", f"unknown state {state!r}; one of {', '.join(ALL_STATES)}")
+
+
+def validate_ids(request: ScoreRequest, *, max_tokens: int) -> None:
+    """The checks of validate_score_request that depend on how many ids there are (not on `mm`'s): what
+    is left to check of a request whose options passed it with other ids of the same key, as an
+    array('I') or array('Q') (every id in range)."""
+    if request.token_ids is not None:
+        _check_length("token_ids", len(request.token_ids), max_tokens)
+    if request.block_hashes is not None:
+        _check_length("block_hashes", len(request.block_hashes), max_tokens)
 
 
 def _check_length(field: str, length: int, max_length: int) -> None:

@@ -23,7 +23,10 @@ from kvindex.api.schemas import (
     EncodedScoreResponse,
     RequestError,
     ScoreRequest,
-    decode_score_request,
+    decode_score_request_exact,
+    decode_with_ids,
+    split_ids,
+    validate_ids,
     validate_score_request,
 )
 from kvindex.api.settings import ApiSettings
@@ -47,6 +50,12 @@ LOOP_MEMO_BLOCKS = 131_072
 # How stale the stream list behind `unknown_pods` may be: reading it builds every pod's status, which a
 # router naming a typo in every request must not pay per request.
 STREAM_IDS_MAX_AGE_S = 1.0
+
+# Request options remembered (ScoreHandler._parse): a router sends the same few option sets (model,
+# answer, pods, ...) with every prompt, so a body whose options were seen before skips their decode,
+# validation and model lookup. Bounded in entries and in the bytes of each.
+OPTIONS_CACHE_ENTRIES = 256
+OPTIONS_CACHE_MAX_BYTES = 4096
 
 
 class PromptHashers:
@@ -177,6 +186,11 @@ class ScoreHandler:
         # model -> pod ids of its streams, for `unknown_pods` (see _unknown_pods)
         self._stream_ids: dict[str, frozenset[str]] = {}
         self._stream_ids_read_at = -math.inf
+        # A body without its id array (split_ids' rest) -> the request it decoded to with those ids left
+        # out, which passed validate_score_request, and its model's runtime (the registry is fixed).
+        self._known_options: dict[bytes, tuple[ScoreRequest, ModelRuntime]] = {}
+        # (states, rank, answer, block size) -> the AnswerPolicy they make with this server's settings
+        self._policies: dict[tuple[tuple[str, ...] | None, str, str, int], AnswerPolicy] = {}
 
     async def handle(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
@@ -231,9 +245,37 @@ class ScoreHandler:
         self._metrics.observe_score(started, best_matched_blocks)
 
     def _parse(self, body: bytes) -> tuple[ScoreRequest, ModelRuntime]:
-        score_request = decode_score_request(body)
-        validate_score_request(score_request, max_tokens=self._settings.max_tokens)
-        return score_request, resolve_model(self._service, score_request.model)
+        """The request, validated, and its model's runtime; RequestError for a client mistake.
+
+        A plain id array's request whose other fields are byte for byte those of one that passed before
+        (the same `rest`) is that request with these ids: only the checks on the ids' count are left
+        (validate_ids; plans with `mm`, which depend on the prompt, are never remembered)."""
+        max_tokens = self._settings.max_tokens
+        split = split_ids(body)
+        if split is None:
+            score_request = decode_score_request_exact(body)
+        else:
+            key, ids, rest = split
+            known = self._known_options.get(rest)
+            if known is not None:
+                template, runtime = known
+                score_request = msgspec.structs.replace(template, **{key: ids})
+                validate_ids(score_request, max_tokens=max_tokens)
+                return score_request, runtime
+            decoded = decode_with_ids(key, ids, rest)
+            if decoded is None:
+                split = None  # the exact decoder's request or error: nothing to remember
+                score_request = decode_score_request_exact(body)
+            else:
+                score_request = decoded
+        validate_score_request(score_request, max_tokens=max_tokens)
+        runtime = resolve_model(self._service, score_request.model)
+        if split is not None and score_request.mm is None and len(split[2]) <= OPTIONS_CACHE_MAX_BYTES:
+            if len(self._known_options) >= OPTIONS_CACHE_ENTRIES:
+                self._known_options.clear()  # a client varying its options per request: start over
+            key, _, rest = split
+            self._known_options[rest] = (msgspec.structs.replace(score_request, **{key: None}), runtime)
+        return score_request, runtime
 
     def _encode(
         self,
@@ -264,22 +306,34 @@ class ScoreHandler:
         """The answer from the index's lookup (any thread): the `scores` JSON, the best match, the unknown
         pods."""
         config = runtime.config
-        policy = AnswerPolicy(
-            block_size=config.block_size,
-            tier_weights=self._tier_weights,
-            unknown_tier_weight=self._settings.unknown_tier_weight,
-            report_tiers=ALWAYS_REPORTED_TIERS,
-            grace_s=self._service.settings.disconnected_grace_s,
-            states=None if request.states is None else frozenset(request.states),
-            by_score=request.rank == "score",
-            compact=request.answer == "compact",
-        )
+        policy = self._policy(config, request)
         scores, best = scores_json(
             runtime.index, holder_ids, self._service.pod_healths, policy, self._service.health_reader()
         )
         if request.pods is None:
             return scores, best, msgspec.UNSET
         return scores, best, self._unknown_pods(runtime, request.pods)
+
+    def _policy(self, config: ModelConfig, request: ScoreRequest) -> AnswerPolicy:
+        """The AnswerPolicy of the request's asks (made once per set of asks and block size)."""
+        states = None if request.states is None else tuple(request.states)
+        key = (states, request.rank, request.answer, config.block_size)
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = AnswerPolicy(
+                block_size=config.block_size,
+                tier_weights=self._tier_weights,
+                unknown_tier_weight=self._settings.unknown_tier_weight,
+                report_tiers=ALWAYS_REPORTED_TIERS,
+                grace_s=self._service.settings.disconnected_grace_s,
+                states=None if states is None else frozenset(states),
+                by_score=request.rank == "score",
+                compact=request.answer == "compact",
+            )
+            if len(self._policies) >= OPTIONS_CACHE_ENTRIES:
+                self._policies.clear()
+            self._policies[key] = policy
+        return policy
 
     def _unknown_pods(self, runtime: ModelRuntime, pod_ids: list[str]) -> list[str]:
         """The ids no stream of this model has and the model's index never held, in request order.
