@@ -546,13 +546,24 @@ find_runs(Fields *fields, Row *rows, Py_ssize_t n, PyObject *holder_ids, const I
           PyObject *entry_of)
 {
     Py_ssize_t num_blocks = PyList_GET_SIZE(holder_ids);
-    Py_ssize_t live = n;
+    Py_ssize_t live = n; /* rows whose run goes on: live_rows[0..live) */
     Py_ssize_t position = 0;
     Py_ssize_t run_number = 0;
     Py_ssize_t block = 0;
     IdMap others = {NULL, NULL, 0};
     int outcome = 0;
+    /* Only the rows still running are looked at after each run: a pass over every row per run was a
+     * third of this writer's time on 512 blocks x 100 pods, where some row ends at nearly every run. */
+    Py_ssize_t *live_rows = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(Py_ssize_t));
+    if (live_rows == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        live_rows[r] = r;
+    }
     if (idmap_init(&others, 16) < 0) {
+        PyMem_Free(live_rows);
         PyErr_NoMemory();
         return -1;
     }
@@ -564,6 +575,7 @@ find_runs(Fields *fields, Row *rows, Py_ssize_t n, PyObject *holder_ids, const I
             end++;
         }
         if (block > 0) {
+            Py_ssize_t still_live = 0; /* rows still running among these holders */
             run_number++;
             Py_ssize_t size = PyTuple_GET_SIZE(holders);
             for (Py_ssize_t i = 0; i < size; i++) {
@@ -574,7 +586,10 @@ find_runs(Fields *fields, Row *rows, Py_ssize_t n, PyObject *holder_ids, const I
                 }
                 Py_ssize_t row = idmap_get(map, entry_id);
                 if (row >= 0) {
-                    rows[row].seen = run_number;
+                    if (rows[row].seen != run_number) {
+                        rows[row].seen = run_number;
+                        still_live += rows[row].run < 0;
+                    }
                     continue;
                 }
                 if (idmap_get(&others, entry_id) >= 0) {
@@ -614,11 +629,14 @@ find_runs(Fields *fields, Row *rows, Py_ssize_t n, PyObject *holder_ids, const I
                     goto done;
                 }
             }
-            if (live > 0) {
-                for (Py_ssize_t r = 0; r < n; r++) {
-                    if (rows[r].run < 0 && rows[r].seen != run_number) {
+            if (still_live < live) { /* some row is not among these holders: its run ends here */
+                for (Py_ssize_t k = 0; k < live;) {
+                    Py_ssize_t r = live_rows[k];
+                    if (rows[r].seen != run_number) {
                         rows[r].run = position;
-                        live--;
+                        live_rows[k] = live_rows[--live];
+                    } else {
+                        k++;
                     }
                 }
             }
@@ -626,13 +644,12 @@ find_runs(Fields *fields, Row *rows, Py_ssize_t n, PyObject *holder_ids, const I
         position += end - block;
         block = end;
     }
-    for (Py_ssize_t r = 0; r < n; r++) {
-        if (rows[r].run < 0) {
-            rows[r].run = position;
-        }
+    for (Py_ssize_t k = 0; k < live; k++) {
+        rows[live_rows[k]].run = position;
     }
 done:
     idmap_free(&others);
+    PyMem_Free(live_rows);
     return outcome;
 }
 
