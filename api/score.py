@@ -249,12 +249,11 @@ class ScoreHandler:
 
         A plain id array's request whose other fields are byte for byte those of one that passed before
         (the same `rest`) is that request with these ids: only the checks on the ids' count are left
-        (validate_ids; plans with `mm`, which depend on the prompt, are never remembered)."""
+        (validate_ids; requests with `mm`, whose checks depend on the prompt, are never remembered)."""
         max_tokens = self._settings.max_tokens
         split = split_ids(body)
-        if split is None:
-            score_request = decode_score_request_exact(body)
-        else:
+        decoded = None
+        if split is not None:
             key, ids, rest = split
             known = self._known_options.get(rest)
             if known is not None:
@@ -263,18 +262,14 @@ class ScoreHandler:
                 validate_ids(score_request, max_tokens=max_tokens)
                 return score_request, runtime
             decoded = decode_with_ids(key, ids, rest)
-            if decoded is None:
-                split = None  # the exact decoder's request or error: nothing to remember
-                score_request = decode_score_request_exact(body)
-            else:
-                score_request = decoded
+        # Otherwise the exact decoder's request or error, and nothing to remember.
+        score_request = decode_score_request_exact(body) if decoded is None else decoded
         validate_score_request(score_request, max_tokens=max_tokens)
         runtime = resolve_model(self._service, score_request.model)
-        if split is not None and score_request.mm is None and len(split[2]) <= OPTIONS_CACHE_MAX_BYTES:
+        if decoded is not None and decoded.mm is None and len(rest) <= OPTIONS_CACHE_MAX_BYTES:
             if len(self._known_options) >= OPTIONS_CACHE_ENTRIES:
                 self._known_options.clear()  # a client varying its options per request: start over
-            key, _, rest = split
-            self._known_options[rest] = (msgspec.structs.replace(score_request, **{key: None}), runtime)
+            self._known_options[rest] = (msgspec.structs.replace(decoded, **{key: None}), runtime)
         return score_request, runtime
 
     def _encode(

@@ -34,9 +34,9 @@ TARGET_SCORE_HASHES_P99 = 0.5
 TARGET_SCORE_DURING_P99 = 0.1
 TARGET_MEMORY = 0.7
 # algo -> (cold, hot) speed-up over vLLM's formula
+TARGET_HASH = {"sha256": (2.0, 10.0), "sha256_cbor": (3.0, 15.0)}
 # The bootstrap interval given beside each p99 ratio (benchmarks/interval.py).
 INTERVAL_LEVEL = 0.95
-TARGET_HASH = {"sha256": (2.0, 10.0), "sha256_cbor": (3.0, 15.0)}
 
 
 def log(message: str) -> None:
@@ -99,7 +99,10 @@ def _p99_interval(
     return ratio_interval(ours_lat.samples_s, theirs_lat.samples_s, level=INTERVAL_LEVEL)
 
 
-def score_table(results: dict[str, SubjectResult]) -> str:
+def score_table(
+    results: dict[str, SubjectResult], intervals: dict[tuple[str, str], tuple[float, float] | None]
+) -> str:
+    """The score table; each row's p99-ratio interval is also left in `intervals`, by (phase, kind)."""
     ours, theirs, floor = _get(results, "kvindex"), _get(results, "Dynamo"), _get(results, FLOOR)
     rows: list[list[object]] = []
     labels = {
@@ -127,7 +130,8 @@ def score_table(results: dict[str, SubjectResult]) -> str:
                 ]
                 p99s.append(lat.percentile_ms(0.99))
             cells.append(fmt_ratio(ratio(p99s[0], p99s[1])))
-            cells.append(fmt_interval(_p99_interval(ours, theirs, phase, kind)))
+            intervals[phase, kind] = _p99_interval(ours, theirs, phase, kind)
+            cells.append(fmt_interval(intervals[phase, kind]))
             floor_lat = floor.idle.get(kind) if floor and phase == "idle" else None
             floor_p99 = floor_lat.percentile_ms(0.99) if floor_lat else None
             cells += [fmt(floor_lat.percentile_ms(0.5) if floor_lat else None), fmt(floor_p99)]
@@ -283,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 'kvindex asked for "answer": "compact" (pod, rank, blocks, score per entry, as Dynamo '
                 "answers tokens per worker and rank) except in the full-answer row"
             )
-            print(score_table(results))
+            score_intervals: dict[tuple[str, str], tuple[float, float] | None] = {}
+            print(score_table(results, score_intervals))
             print(
                 "floor = benchmarks/floor.py, a server answering a canned answer without reading the request, "
                 "timed in turn with both: what the client, loopback and this box cost on their own. A p99 "
@@ -296,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lat_ours.percentile_ms(0.99) if lat_ours else None,
                     lat_theirs.percentile_ms(0.99) if lat_theirs else None,
                 )
-                intervals[f"score_{phase}_{kind}"] = _p99_interval(ours, theirs, phase, kind)
+                intervals[f"score_{phase}_{kind}"] = score_intervals.get((phase, kind))
             floor = _get(results, FLOOR)
             for kind in ("tokens", "hashes"):
                 lat_floor = floor.idle.get(kind) if floor else None
