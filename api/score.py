@@ -65,9 +65,17 @@ class PromptHashers:
     hashing worker thread another, and neither shares the ingest pipeline's.
     """
 
-    def __init__(self, memo_size: int = DEFAULT_MEMO_SIZE) -> None:
+    def __init__(self, memo_size: int = DEFAULT_MEMO_SIZE, *, defer_records: bool = False) -> None:
+        """`defer_records`: the memos remember a prompt's new digests only at `flush` (or before the next
+        prompt reads them): see BlockHasher."""
         self._by_model: dict[str, BlockHasher] = {}
         self._memo_size = memo_size
+        self._defer_records = defer_records
+
+    def flush(self) -> None:
+        """Remember what the memos left queued (`defer_records`)."""
+        for hasher in self._by_model.values():
+            hasher.flush_memo()
 
     def block_keys(
         self,
@@ -85,6 +93,7 @@ class PromptHashers:
                 block_size=config.block_size,
                 seed=config.hash_seed,
                 memo_size=self._memo_size,
+                defer_records=self._defer_records,
             )
             self._by_model[config.name] = hasher
         assert request.token_ids is not None
@@ -181,7 +190,8 @@ class ScoreHandler:
         self._executor = executor
         self._store_executor = store_executor
         self._tier_weights = dict(settings.tier_weights)
-        self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS)
+        # The event loop's memos remember a prompt after its answer is written (after_answer).
+        self._loop_hashers = PromptHashers(LOOP_MEMO_BLOCKS, defer_records=True)
         self._worker_hashers = PromptHashers()  # used only on the executor's single thread
         # model -> pod ids of its streams, for `unknown_pods` (see _unknown_pods)
         self._stream_ids: dict[str, frozenset[str]] = {}
@@ -220,12 +230,14 @@ class ScoreHandler:
                 )
             answer = self._answer(runtime, holder_ids, score_request)
         encoded, best = self._encode(runtime.config, score_request, answer)
-        self.observe(started, best)
+        self._metrics.observe_score(started, best)
+        # Runs once this task yields, after aiohttp has written the response.
+        loop.call_soon(self._loop_hashers.flush)
         return web.Response(body=encoded, content_type="application/json")
 
     def answer_now(self, body: bytes) -> tuple[bytes, float, int] | None:
         """The encoded 200 answer to a request `body`, computed on the calling (event loop) thread, with when
-        it began (perf_counter) and its best match, for `observe` once the answer is on its way; None when
+        it began (perf_counter) and its best match, for `after_answer` once the answer is on its way; None when
         it needs a thread (a prompt of `hash_in_executor_min_tokens` or more, or a remote store): `handle`
         answers those. A client mistake raises RequestError, as in `handle`."""
         started = time.perf_counter()
@@ -240,9 +252,13 @@ class ScoreHandler:
         )
         return encoded, started, best
 
-    def observe(self, started: float, best_matched_blocks: int) -> None:
-        """Count one answer in the score metrics: its latency from `started` to now, its best match."""
-        self._metrics.observe_score(started, best_matched_blocks)
+    def after_answer(self, started: float | None, best_matched_blocks: int) -> None:
+        """What an answer of `answer_now` leaves for after it is written: the event loop memos' records
+        of its prompt and, unless it failed (`started` None), its score metrics (latency from `started`
+        to now, best match)."""
+        self._loop_hashers.flush()
+        if started is not None:
+            self._metrics.observe_score(started, best_matched_blocks)
 
     def _parse(self, body: bytes) -> tuple[ScoreRequest, ModelRuntime]:
         """The request, validated, and its model's runtime; RequestError for a client mistake.

@@ -121,8 +121,8 @@ class FastScore:
         self._count = count
         self._date_second = -1
         self._date = b""
-        # The last answer's bookkeeping, done by after_write once it is written: (status, when it began,
-        # its best match), the last two None for an error.
+        # The last answer's bookkeeping, done by after_write once it is written: (status, when it began or
+        # None for an error, its best match).
         self._unrecorded: tuple[int, float | None, int] | None = None
 
     def accepts(self, head: RequestHead) -> bool:
@@ -160,17 +160,16 @@ class FastScore:
         return self._head(status, len(answer), keep_alive) + answer
 
     def after_write(self) -> None:
-        """The metrics of the response `respond` last made: counted after it is written, so the client
-        does not wait for them (prometheus_client's locks and buckets: ~3 us of a hot answer, more of a
-        cold one)."""
+        """The bookkeeping of the response `respond` last made, done after it is written so the client
+        does not wait for it: its metrics (prometheus_client's locks and buckets: ~3 us of a hot answer,
+        more of a cold one) and the hasher memo's record of its prompt (ScoreHandler.after_answer)."""
         unrecorded = self._unrecorded
         if unrecorded is None:
             return
         self._unrecorded = None
         status, started, best = unrecorded
         self._count(ROUTE, status)
-        if started is not None:
-            self._handler.observe(started, best)
+        self._handler.after_answer(started, best)
 
     def _head(self, status: int, length: int, keep_alive: bool) -> bytes:
         second = int(time.time())

@@ -109,7 +109,9 @@ class BlockHasher:
     `algo` is `--prefix-caching-hash-algo`, `block_size` the hash block size, `seed` the engines'
     PYTHONHASHSEED string (None: vLLM's rule for an unset variable, which only works for sha256 variants).
     A bounded memo (`memo_size` digests, 0 disables it) makes re-hashing a known prefix nearly free; it
-    never changes a result. Safe to call from several threads.
+    never changes a result. Safe to call from several threads. With `defer_records`, a prompt's newly
+    hashed digests are queued for the memo and remembered by `flush_memo` (or before the next prompt
+    reads the memo), so a caller can answer first.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class BlockHasher:
         block_size: int = 16,
         seed: str | None = None,
         memo_size: int = DEFAULT_MEMO_SIZE,
+        defer_records: bool = False,
     ) -> None:
         self._algo: HashAlgo = get_algo(algo)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
@@ -133,6 +136,7 @@ class BlockHasher:
         # The core's SHA-256 (None), or the digest function it calls per block for the xxhash algorithms.
         self._core_digest = compiled.core_digest(self._algo)
         self._memo = self._make_memo(memo_size)
+        self._defer_records = defer_records
         if self._algo.uses_cbor:
             # Built here rather than by the first prompt, so a service that makes its hashers at start-up
             # does not make its first request wait for the table.
@@ -147,6 +151,11 @@ class BlockHasher:
                 memo_size, compiled.segment_tags, compiled.untrack_atomic, compiled.walk_segments
             )
         return DigestMemo(memo_size)
+
+    def flush_memo(self) -> None:
+        """Remember what `defer_records` left queued (a no-op without it)."""
+        if self._memo is not None:
+            self._memo.flush()
 
     @property
     def algo(self) -> str:
@@ -378,7 +387,15 @@ class BlockHasher:
 
             if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
-                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+                    self._root,
+                    token_bytes,
+                    block_width,
+                    None,
+                    digests,
+                    first_new,
+                    missed_segments,
+                    seg_tags,
+                    later=self._defer_records,
                 )
         return digests
 
@@ -425,7 +442,15 @@ class BlockHasher:
 
             if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
-                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
+                    self._root,
+                    token_bytes,
+                    block_width,
+                    None,
+                    digests,
+                    first_new,
+                    missed_segments,
+                    seg_tags,
+                    later=self._defer_records,
                 )
         return digests
 
@@ -465,6 +490,7 @@ class BlockHasher:
                     digests,
                     first_new,
                     missed_segments,
+                    later=self._defer_records,
                 )
         return digests
 

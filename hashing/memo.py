@@ -82,9 +82,11 @@ class DigestMemo:
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
         self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]] = OrderedDict()
         self._lock = threading.Lock()
+        # What record(..., later=True) queued, oldest first: run by flush, or by the next resolve before it reads.
+        self._pending: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
-        """Digests held."""
+        """Digests held (not those still queued by `record(..., later=True)`)."""
         with self._lock:
             return len(self._blocks) + SEGMENT_BLOCKS * len(self._segments)
 
@@ -109,6 +111,8 @@ class DigestMemo:
         caller `record`s them once their blocks are known, so the next prompt through them takes one
         lookup, not SEGMENT_BLOCKS.
         """
+        if self._pending:
+            self.flush()
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
         full_end = num_blocks - num_blocks % seg
@@ -204,6 +208,13 @@ class DigestMemo:
                 if hit is not None:
                     self._blocks[key] = (hit[0], has_low)
 
+    def flush(self) -> None:
+        """Run the records `record(..., later=True)` queued, in order."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for record in pending:
+            record()
+
     def record(
         self,
         root: bytes,
@@ -214,13 +225,30 @@ class DigestMemo:
         first_new: int,
         missed_segments: list[int],
         seg_tags: Sequence[int] = (),
+        *,
+        later: bool = False,
     ) -> None:
         """Remember a chain whose blocks from `first_new` on were just hashed.
 
         Full segments go to the segment level (those that missed, and every one past `first_new`); blocks
         of the ragged tail go to the block level, where the next, longer turn will find them. `seg_tags`:
         the tags `resolve` computed for this prompt's full segments, if any.
+
+        With `later`, only queued until `flush` or the next `resolve`, so that a caller can answer before
+        it pays for remembering (a fresh 8192-token prompt's record: 26 us at p50, 200 us at p99 when the
+        dicts grow). `digests` is copied; the other arguments must not change meanwhile.
         """
+        if later:
+            kept = tuple(digests)
+
+            def record() -> None:
+                self.record(
+                    root, token_bytes, block_width, extras, kept, first_new, missed_segments, seg_tags
+                )
+
+            with self._lock:
+                self._pending.append(record)
+            return
         seg = SEGMENT_BLOCKS
         seg_width = seg * block_width
         num_blocks = len(digests)

@@ -8,6 +8,7 @@ rules in spec §4.4 (every MM item overlapping the block, offset relative to the
 from __future__ import annotations
 
 import threading
+from array import array
 from typing import Any
 
 import cbor2
@@ -118,20 +119,55 @@ def test_one_changed_token_changes_its_block_and_every_later_one_only(
     turns=st.lists(st.lists(st.integers(0, 150_000), max_size=70), min_size=1, max_size=8),
     algo=algos,
     memo_size=st.sampled_from([1, 17, 40, 4096]),
+    defer_records=st.booleans(),
+    flushes=st.lists(st.booleans(), min_size=24, max_size=24),
 )
 def test_memo_on_and_off_agree_on_growing_conversations(
-    turns: list[list[int]], algo: str, memo_size: int
+    turns: list[list[int]], algo: str, memo_size: int, defer_records: bool, flushes: list[bool]
 ) -> None:
-    """Shared prefixes, growing prompts, forks and tiny memos that evict constantly never change a hash."""
-    with_memo = BlockHasher(algo=algo, block_size=2, seed="0", memo_size=memo_size)
+    """Shared prefixes, growing prompts, forks and tiny memos that evict constantly never change a hash;
+    nor do deferred records, flushed at any point or left for the next prompt to flush."""
+    with_memo = BlockHasher(
+        algo=algo, block_size=2, seed="0", memo_size=memo_size, defer_records=defer_records
+    )
     without = BlockHasher(algo=algo, block_size=2, seed="0", memo_size=0)
     prompt: list[int] = list(range(300))  # a shared system prompt spanning several memo segments
+    flush_at = iter(flushes * 2)
     for turn in turns:
         prompt = prompt + turn
         fork = prompt[:-1] + [150_001]
         for tokens in (prompt, fork, prompt):
             assert with_memo.block_hashes(tokens) == without.block_hashes(tokens)
+            if next(flush_at):
+                with_memo.flush_memo()
             assert with_memo.event_hashes(tokens) == without.event_hashes(tokens)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_deferred_records_wait_for_a_flush_or_the_next_prompt(packed: bool) -> None:
+    """With defer_records a prompt's digests reach the memo only at flush_memo, or when the next prompt
+    reads the memo; the results never differ from an eager hasher's."""
+    expected_digests = BlockHasher(algo="sha256", block_size=16, seed="0", memo_size=0)
+    prompt = list(range(1000, 1000 + 16 * 40))
+    tokens: Any = array("I", prompt) if packed else prompt
+    deferred = BlockHasher(algo="sha256", block_size=16, seed="0", defer_records=True)
+    eager = BlockHasher(algo="sha256", block_size=16, seed="0")
+    memo, eager_memo = deferred._memo, eager._memo
+    assert memo is not None and eager_memo is not None
+    assert deferred.event_key_array(tokens) == eager.event_key_array(tokens)
+    assert len(eager_memo) == 40 and len(memo) == 0  # queued, not yet held
+    deferred.flush_memo()
+    assert len(memo) == 40
+    deferred.flush_memo()  # nothing left: a no-op
+    assert len(memo) == 40
+    longer = prompt + list(range(16 * 8))
+    assert (
+        deferred.block_hashes(longer) == eager.block_hashes(longer) == expected_digests.block_hashes(longer)
+    )
+    assert len(memo) == 40 < len(eager_memo)  # the new blocks wait in the queue
+    known = prompt[: 16 * 32]  # two memoised segments: nothing new to record
+    assert deferred.block_hashes(known) == eager.block_hashes(known)
+    assert len(memo) == len(eager_memo)  # that prompt's lookup flushed them first
 
 
 def test_memo_is_safe_across_threads() -> None:
