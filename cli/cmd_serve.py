@@ -291,9 +291,7 @@ async def _serve(service: IngestService, config: ServeConfig, loop_line: str) ->
         print(f"kvindex serve: listening on http://{shown_host}:{port}", flush=True)
         _log_settings(service, config, loop_line)
         if access_log is None:
-            logger.info(
-                "score fast path: on (plain POST /v1/score answered before aiohttp, its head parsed by httptools)"
-            )
+            logger.info("score fast path: on (plain POST /v1/score answered before aiohttp)")
         else:
             logger.info("score fast path: off (--log-level debug: aiohttp's access log sees every request)")
         log_unresolved_hosts(_dialled_hosts(config), logger)
