@@ -1,8 +1,8 @@
 """How far a p99 ratio could move on another run: a bootstrap interval over the run's own requests.
 
 A p99 over 600 requests is the 6th-slowest of them, so one stall of the shared box more or less on either
-side moves a kvindex/Dynamo ratio by tenths: the same code read 0.64x and 1.40x on the 8192-token row an
-hour apart. The interval says how much of a ratio is the sample: resample the requests with replacement
+side moved a kvindex/Dynamo ratio by tenths: the same code read 0.64x and 1.40x on the 8192-token row an
+hour apart (the rows now time 3,000 requests over 3 rounds, and move less). The interval says how much of a ratio is the sample: resample the requests with replacement
 (in pairs where the two services were asked in turn, so a stall that met both stays in both), take each
 resample's p99 ratio, and report the middle `level` of them. A goal inside the interval is not decided by
 that run; one outside it is, at that level.
@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 
 # Resamples per interval: at 1,000 its ends move by ~0.01x from seed to seed (enough to read a goal
-# against), and one interval of 600 requests a side takes ~0.1 s.
+# against), and one interval of 3,000 requests a side takes ~0.5 s.
 RESAMPLES = 1000
 
 
