@@ -135,22 +135,25 @@ class BlockHasher:
         self._compiled = compiled.chain_core
         # The core's SHA-256 (None), or the digest function it calls per block for the xxhash algorithms.
         self._core_digest = compiled.core_digest(self._algo)
-        self._memo = self._make_memo(memo_size)
-        self._defer_records = defer_records
+        self._memo = self._make_memo(memo_size, defer_records)
         if self._algo.uses_cbor:
             # Built here rather than by the first prompt, so a service that makes its hashers at start-up
             # does not make its first request wait for the table.
             cbor_fast.token_table()
 
-    def _make_memo(self, memo_size: int) -> DigestMemo | None:
+    def _make_memo(self, memo_size: int, defer_records: bool) -> DigestMemo | None:
         if not memo_size:
             return None
         if self._compiled is not None:
             compiled = self._compiled
             return DigestMemo(
-                memo_size, compiled.segment_tags, compiled.untrack_atomic, compiled.walk_segments
+                memo_size,
+                compiled.segment_tags,
+                compiled.untrack_atomic,
+                compiled.walk_segments,
+                defer_records=defer_records,
             )
-        return DigestMemo(memo_size)
+        return DigestMemo(memo_size, defer_records=defer_records)
 
     def flush_memo(self) -> None:
         """Remember what `defer_records` left queued (a no-op without it)."""
@@ -387,15 +390,7 @@ class BlockHasher:
 
             if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
-                    self._root,
-                    token_bytes,
-                    block_width,
-                    None,
-                    digests,
-                    first_new,
-                    missed_segments,
-                    seg_tags,
-                    later=self._defer_records,
+                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
                 )
         return digests
 
@@ -442,15 +437,7 @@ class BlockHasher:
 
             if _hash_while_held(hash_range, digests, first_new, num_blocks, held) > first_new:
                 memo.record(
-                    self._root,
-                    token_bytes,
-                    block_width,
-                    None,
-                    digests,
-                    first_new,
-                    missed_segments,
-                    seg_tags,
-                    later=self._defer_records,
+                    self._root, token_bytes, block_width, None, digests, first_new, missed_segments, seg_tags
                 )
         return digests
 
@@ -490,7 +477,6 @@ class BlockHasher:
                     digests,
                     first_new,
                     missed_segments,
-                    later=self._defer_records,
                 )
         return digests
 

@@ -66,6 +66,7 @@ class DigestMemo:
         segment_tags: SegmentTagger | None = None,
         untrack: Callable[[list[object]], None] | None = None,
         walk_segments: SegmentWalker | None = None,
+        defer_records: bool = False,
     ) -> None:
         # The tagger: None for xxh3-128 computed inline (the pure path, unchanged), or the compiled
         # core's (XXH64, every segment in one call). A memo keeps one for life: it only ever compares its
@@ -82,11 +83,14 @@ class DigestMemo:
         self._blocks: OrderedDict[tuple[Any, ...], tuple[bytes, LowIds]] = OrderedDict()
         self._segments: OrderedDict[tuple[Any, ...], tuple[bytes, tuple[bytes, ...], LowIds]] = OrderedDict()
         self._lock = threading.Lock()
-        # What record(..., later=True) queued, oldest first: run by flush, or by the next resolve before it reads.
+        # With defer_records, what `record` queued, oldest first: run by flush, or by the next resolve
+        # before it reads, so that a caller can answer before it pays for remembering (a fresh
+        # 8192-token prompt's record: 26 us at p50, 200 us at p99 when the dicts grow).
+        self._defer_records = defer_records
         self._pending: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
-        """Digests held (not those still queued by `record(..., later=True)`)."""
+        """Digests held (not those a deferred `record` still queues)."""
         with self._lock:
             return len(self._blocks) + SEGMENT_BLOCKS * len(self._segments)
 
@@ -209,7 +213,7 @@ class DigestMemo:
                     self._blocks[key] = (hit[0], has_low)
 
     def flush(self) -> None:
-        """Run the records `record(..., later=True)` queued, in order."""
+        """Run the records `defer_records` queued, in order."""
         with self._lock:
             pending, self._pending = self._pending, []
         for record in pending:
@@ -226,7 +230,7 @@ class DigestMemo:
         missed_segments: list[int],
         seg_tags: Sequence[int] = (),
         *,
-        later: bool = False,
+        now: bool = False,
     ) -> None:
         """Remember a chain whose blocks from `first_new` on were just hashed.
 
@@ -234,16 +238,23 @@ class DigestMemo:
         of the ragged tail go to the block level, where the next, longer turn will find them. `seg_tags`:
         the tags `resolve` computed for this prompt's full segments, if any.
 
-        With `later`, only queued until `flush` or the next `resolve`, so that a caller can answer before
-        it pays for remembering (a fresh 8192-token prompt's record: 26 us at p50, 200 us at p99 when the
-        dicts grow). `digests` is copied; the other arguments must not change meanwhile.
+        With `defer_records` (and not `now`), only queued until `flush` or the next `resolve`; `digests` is
+        copied, the other arguments must not change meanwhile.
         """
-        if later:
+        if self._defer_records and not now:
             kept = tuple(digests)
 
             def record() -> None:
                 self.record(
-                    root, token_bytes, block_width, extras, kept, first_new, missed_segments, seg_tags
+                    root,
+                    token_bytes,
+                    block_width,
+                    extras,
+                    kept,
+                    first_new,
+                    missed_segments,
+                    seg_tags,
+                    now=True,
                 )
 
             with self._lock:
