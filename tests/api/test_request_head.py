@@ -193,11 +193,16 @@ def heads(draw: st.DrawFn) -> bytes:
 def declined_on_purpose(head: bytes) -> bool:
     """Whether a head llhttp calls plain has one of the oddities parse_head leaves to aiohttp (declining is
     always safe, but the fast path should not decline more than it says)."""
-    lines = head[:-4].split(b"\r\n")[1:]
+    request_line, *lines = head[:-4].split(b"\r\n")
+    method, target, version = (request_line.split(b" ") + [b"", b""])[:3]
     names = [line.partition(b":")[0] for line in lines]
     read = [line for line, name in zip(lines, names, strict=True) if name.strip().lower() in READ_HEADERS]
     return (
-        any(b"\n" in line or b"\r" in line for line in lines)  # a bare LF or CR
+        # a request line not exactly `POST target HTTP/1.1`, single spaces, the target visible ASCII
+        request_line.count(b" ") != 2
+        or (method, version) != (b"POST", b"HTTP/1.1")
+        or any(byte < 0x21 or byte > 0x7E for byte in target)
+        or any(b"\n" in line or b"\r" in line for line in lines)  # a bare LF or CR
         or any(not name or name[:1] in (b" ", b"\t") or name[-1:] in (b" ", b"\t") for name in names)
         or any(line.endswith((b" ", b"\t")) for line in read)  # trailing whitespace in a value it reads
         or any(byte >= 0x80 or (byte < 0x20 and byte != 9) or byte == 0x7F for byte in b"".join(lines))
