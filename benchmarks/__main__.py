@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks._process import in_fresh_process, run_main
 from benchmarks._table import format_table
-from benchmarks.compare import FLOOR, SubjectResult, build, run_pair
+from benchmarks.compare import DURING_MAX_ROUNDS, DURING_MIN_SAMPLES, FLOOR, SubjectResult, build, run_pair
 from benchmarks.dynamo import available
 from benchmarks.interval import RESAMPLES, ratio_interval
 from benchmarks.workload import WorkloadSpec
@@ -291,8 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
             print(
                 f"== score: HTTP latency per request, {len(feed.queries)} prompts of {spec.query_blocks} "
-                "blocks; same keep-alive client for both; 'during' = while a second publishing round is "
-                "being ingested (identical bytes, so answers stay checkable); Dynamo hashes = its own XXH3; "
+                "blocks; same keep-alive client for both; 'during' = while further publishing rounds are being "
+                f"ingested, until {DURING_MIN_SAMPLES} requests of each kind a round (at most "
+                f"{DURING_MAX_ROUNDS} publishing rounds; identical bytes, so answers stay checkable); "
+                "Dynamo hashes = its own XXH3; "
                 'kvindex asked for "answer": "compact" (pod, rank, blocks, score per entry, as Dynamo '
                 "answers tokens per worker and rank) except in the full-answer row"
             )

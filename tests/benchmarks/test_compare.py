@@ -9,10 +9,15 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks import compare
 from benchmarks.compare import (
+    Feed,
+    KvindexSubject,
     Publishers,
+    Subject,
     SubjectResult,
     _requests,
+    _time_during_ingest,
     build,
     ingest_first_round,
     run_round,
@@ -107,3 +112,52 @@ def test_a_service_that_fails_to_ingest_is_reported_and_the_round_still_ends() -
     assert result.error == "TimeoutError: kvindex did not ingest round 0 in 0s"
     assert result.idle == {} and result.during == {}
     assert logged == ["  kvindex failed: TimeoutError: kvindex did not ingest round 0 in 0s"]
+
+
+def during_setup(stack: ExitStack, num_queries: int) -> tuple[Feed, Publishers, Subject, SubjectResult]:
+    feed = build(
+        WorkloadSpec(num_engines=2, blocks_per_engine=64, num_prefixes=2, num_queries=num_queries),
+        lambda _: None,
+    )
+    publishers = stack.enter_context(Publishers(feed.payloads))
+    subject = stack.enter_context(start_subject("kvindex", publishers, feed))
+    result = SubjectResult("kvindex", feed.num_blocks)
+    ingest_first_round(subject, publishers, result, ingest_timeout_s=60)
+    return feed, publishers, subject, result
+
+
+def test_queries_under_ingest_go_on_over_rounds_until_each_kind_has_its_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tiny feed is ingested within a few queries: one round cannot give 30 samples of each kind.
+    monkeypatch.setattr(compare, "DURING_MIN_SAMPLES", 30)
+    monkeypatch.setattr(compare, "DURING_MAX_ROUNDS", 40)
+    with ExitStack() as stack:
+        feed, publishers, subject, result = during_setup(stack, num_queries=3)
+        requests = _requests(subject, feed, ("tokens", "hashes", "tokens_full"))
+        _time_during_ingest(subject, publishers, feed, requests, result, ingest_timeout_s=60)
+        assert isinstance(subject, KvindexSubject)
+        rounds_published = subject.service.events_applied() // subject.events_per_round
+    assert set(result.during) == {"tokens", "hashes"}  # not the full-answer row
+    for latencies in result.during.values():
+        assert len(latencies.samples_s) >= 30
+        assert latencies.checked == latencies.correct == len(latencies.samples_s)
+    # Each round times every query at least once (3 of each kind): 30 are reached within 10 rounds, and
+    # no round is published after that.
+    assert 2 <= rounds_published <= 1 + 10
+    assert result.during_ingest_s is not None and result.during_ingest_s > 0
+
+
+def test_queries_under_ingest_stop_after_the_last_round_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare, "DURING_MIN_SAMPLES", 10**9)  # never reached
+    monkeypatch.setattr(compare, "DURING_MAX_ROUNDS", 3)
+    with ExitStack() as stack:
+        feed, publishers, subject, result = during_setup(stack, num_queries=2)
+        _time_during_ingest(
+            subject, publishers, feed, _requests(subject, feed, ("hashes",)), result, ingest_timeout_s=60
+        )
+        assert isinstance(subject, KvindexSubject)
+        # every event of rounds 0-3 applied, and not one more round started
+        assert subject.service.events_applied() == 4 * subject.events_per_round
+    hashes = result.during["hashes"]
+    assert 3 * 2 <= len(hashes.samples_s) == hashes.checked == hashes.correct
