@@ -5,7 +5,7 @@ from kvindex.indexer.status import HealthReader, PodHealth
 
 def encode_scores(
     holder_ids: list[tuple[int, ...]],
-    first_entries: list[tuple[PodRef, str]],
+    first_entries: list[tuple[PodRef, str]] | None,
     entry_of: Callable[[int], tuple[PodRef, str]],
     healths: list[PodHealth | None] | HealthReader,
     tier_weights: dict[str, float],

@@ -26,7 +26,7 @@ class EncodeScores(Protocol):
     def __call__(
         self,
         holder_ids: list[HolderIds],
-        first_entries: list[tuple[PodRef, str]],
+        first_entries: list[tuple[PodRef, str]] | None,
         entry_of: Callable[[int], tuple[PodRef, str]],
         healths: list[PodHealth | None] | HealthReader,
         tier_weights: dict[str, float],
@@ -131,8 +131,13 @@ def scores_json(
     would say at `reader.now`); without it the writer is given `healths_of`'s answers."""
     encode = encode_scores
     if encode is not None and holder_ids:
-        first_entries = list(map(index.entry, holder_ids[0]))
-        healths = reader if reader is not None else healths_of([ref for ref, _ in first_entries])
+        first_entries: list[tuple[PodRef, str]] | None = None  # the writer reads them itself
+        healths: list[PodHealth | None] | HealthReader
+        if reader is not None:
+            healths = reader
+        else:
+            first_entries = list(map(index.entry, holder_ids[0]))
+            healths = healths_of([ref for ref, _ in first_entries])
         written = encode(*encode_arguments(index, holder_ids, first_entries, healths, policy))
         if written is not None:
             return written
@@ -152,11 +157,12 @@ def encode_entries(entries: Sequence[PodScore], *, compact: bool) -> bytes:
 def encode_arguments(
     index: Store,
     holder_ids: list[HolderIds],
-    first_entries: list[tuple[PodRef, str]],
+    first_entries: list[tuple[PodRef, str]] | None,
     healths: list[PodHealth | None] | HealthReader,
     policy: AnswerPolicy,
 ) -> tuple[Any, ...]:
-    """encode_scores' arguments, in its order, for this answer and policy."""
+    """encode_scores' arguments, in its order, for this answer and policy (`first_entries` None: the
+    writer reads the first block's entries by `index.entry`)."""
     return (
         holder_ids,
         first_entries,

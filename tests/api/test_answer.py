@@ -68,11 +68,17 @@ def first_refs(index: KVIndex, holder_ids: list[HolderIds]) -> list[PodRef]:
     return [index.entry(entry_id)[0] for entry_id in holder_ids[0]]
 
 
+def compiled_arguments(
+    index: KVIndex, holder_ids: list[HolderIds], healths: dict[PodRef, PodHealth | None], policy: AnswerPolicy
+) -> list[object]:
+    given = health_table(healths)(first_refs(index, holder_ids))
+    return writer_arguments(index, holder_ids, given, policy)
+
+
 def compiled_answer(
     index: KVIndex, holder_ids: list[HolderIds], healths: dict[PodRef, PodHealth | None], policy: AnswerPolicy
 ) -> tuple[bytes, int] | None:
-    given = health_table(healths)(first_refs(index, holder_ids))
-    return built()(*writer_arguments(index, holder_ids, given, policy))  # type: ignore[arg-type]
+    return built()(*compiled_arguments(index, holder_ids, healths, policy))  # type: ignore[arg-type]
 
 
 def definition(
@@ -172,6 +178,12 @@ def test_the_writer_writes_what_the_definition_encodes(
         written = compiled_answer(index, holder_ids, healths, policy)
         if written is not None:
             assert written == want
+        # The first block's entries read by the writer itself: from the index's entry table in place, and
+        # through any other callable.
+        for entry_of in (index.entry, lambda entry_id: index.entry(entry_id)):
+            arguments = compiled_arguments(index, holder_ids, healths, policy)
+            arguments[1:3] = [None, entry_of]
+            assert built()(*arguments) == written  # type: ignore[arg-type]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(answer, "encode_scores", built())
         assert scores_json(index, holder_ids, health_table(healths), policy) == want
@@ -304,6 +316,27 @@ def test_bad_arguments_are_declined_or_refused() -> None:
         assert built()(*arguments) is None, position  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         built()(*good[:-1])  # type: ignore[arg-type]
+
+
+def test_entries_the_writer_reads_itself_fail_as_the_table_s_own_lookup_does() -> None:
+    index, healths = fleet_of_one_tier_per_pod()
+    holder_ids = index.lookup_ids(PROMPT)
+    arguments = compiled_arguments(index, holder_ids, healths, policy_of())
+    written = built()(*arguments)  # type: ignore[arg-type]
+    assert written is not None
+    table = [index.entry(entry_id) for entry_id in range(max(map(max, holder_ids)) + 1)]
+
+    class Table(list):  # type: ignore[type-arg]
+        """Not a list exactly: its __getitem__ is called, not read around."""
+
+    for entry_of in (table.__getitem__, Table(table).__getitem__):
+        arguments[1:3] = [None, entry_of]
+        assert built()(*arguments) == written  # type: ignore[arg-type]
+    short = table[: max(holder_ids[0])]  # the first block's last entry is past its end
+    for entry_of in (short.__getitem__, Table(short).__getitem__):
+        arguments[1:3] = [None, entry_of]
+        with pytest.raises(IndexError):
+            built()(*arguments)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("unknown_pods", [msgspec.UNSET, [], ["pod-x", "pod-\u00e9"]])
