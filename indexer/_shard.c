@@ -970,6 +970,52 @@ packed_keys(PyObject *keys, Py_buffer *view)
     return 0;
 }
 
+/* The node of `key` if it is the one after node `prev` (NIL: none), else NIL. A prompt's blocks are
+ * stored in order, a prefill's by one event, so their nodes are mostly consecutive (those of a 512-block
+ * prompt in the score benchmark's index: one in ~128 is not): such a key is found in the node array next
+ * to the previous one, without its slot, a random read of the key table (and a TLB miss: it is tens of
+ * MB). A node is in the table exactly while its holder is set (see key_erase). */
+static inline uint32_t
+chained_node(const ShardObject *self, uint32_t prev, uint64_t key)
+{
+    if (prev == NIL || prev + 1 >= self->nodes_len) {
+        return NIL;
+    }
+    const Node *next = &self->nodes[prev + 1];
+    return next->holder != 0 && next->key == key ? prev + 1 : NIL;
+}
+
+/* How far along a chain of nodes the lookup asks for holder records ahead of need: a key costs ~10 ns
+ * warm, a cold record a few hundred. */
+#define CHAIN_AHEAD 32
+
+/* Ask for the multi holder record of node n, if it has one: each is its own allocation, the lookup's
+ * one certain miss per key held by several pods. */
+static inline void
+prefetch_multi(const ShardObject *self, uint32_t n)
+{
+    if (n < self->nodes_len) {
+        uintptr_t holder = self->nodes[n].holder;
+        if (holder != 0 && !IS_SINGLE(holder)) {
+            __builtin_prefetch(MULTI(holder));
+        }
+    }
+}
+
+/* lookup_run's result for the node of one key: its ids appended to `out`. 0 done, -1 error. */
+static int
+append_ids(ShardObject *self, uint32_t n, PyObject *single_ids, PyObject **last, PyObject *out)
+{
+    PyObject *ids = ids_of_node(self, n, single_ids, last);
+    if (ids == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_SystemError, "a found key without holders");
+        }
+        return -1;
+    }
+    return PyList_Append(out, ids);
+}
+
 static PyObject *
 Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -994,11 +1040,39 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t keys[LOOKUP_CHUNK];
     uint32_t nodes[LOOKUP_CHUNK];
     int failed = 0;
-    for (Py_ssize_t base = 0; base < source.size && !failed; base += LOOKUP_CHUNK) {
-        Py_ssize_t chunk = source.size - base < LOOKUP_CHUNK ? source.size - base : LOOKUP_CHUNK;
+    int stopped = 0;       /* a key nobody holds was reached */
+    uint32_t prev = NIL;   /* the previous key's node */
+    int by_table = 0;      /* the previous key was found through the key table, not along the chain */
+    Py_ssize_t base = 0;
+    while (base < source.size && !failed && !stopped) {
+        uint64_t key;
+        int readable = lookup_key_at(&source, base, &key);
+        if (readable <= 0) {
+            failed = readable < 0;
+            break; /* else the lookup stops here: nobody holds it */
+        }
+        uint32_t n = chained_node(self, prev, key);
+        if (n != NIL) {
+            /* The chain likely goes on: ask for the holder records of the nodes after it ahead of need
+             * (its own and the next CHAIN_AHEAD where the chain starts, then one more per key). */
+            for (uint32_t ahead = by_table ? 0 : CHAIN_AHEAD; ahead <= CHAIN_AHEAD; ahead++) {
+                prefetch_multi(self, n + ahead);
+            }
+            failed = append_ids(self, n, args[1], &last, args[2]) < 0;
+            prev = n;
+            by_table = 0;
+            base++;
+            continue;
+        }
+        /* Through the key table: this key alone where a chain just broke (the next one likely follows
+         * it), else LOOKUP_CHUNK keys, their misses overlapped stage by stage. */
+        Py_ssize_t chunk = by_table ? LOOKUP_CHUNK : 1;
+        if (chunk > source.size - base) {
+            chunk = source.size - base;
+        }
         Py_ssize_t valid = 0;
         while (valid < chunk) {
-            int readable = lookup_key_at(&source, base + valid, &keys[valid]);
+            readable = lookup_key_at(&source, base + valid, &keys[valid]);
             if (readable < 0) {
                 failed = 1;
                 break;
@@ -1019,20 +1093,22 @@ Shard_lookup_run(ShardObject *self, PyObject *const *args, Py_ssize_t nargs)
             nodes[j] = find_prefetching_holder(self, keys[j]);
         }
         Py_ssize_t j = 0;
-        for (; j < valid; j++) {
-            PyObject *ids = ids_of_node(self, nodes[j], args[1], &last);
-            if (ids == NULL) {
-                failed = PyErr_Occurred() != NULL;
-                break;
-            }
-            if (PyList_Append(args[2], ids) < 0) {
+        for (; j < valid && nodes[j] != NIL; j++) {
+            if (append_ids(self, nodes[j], args[1], &last, args[2]) < 0) {
                 failed = 1;
                 break;
             }
         }
-        if (j < valid || valid < chunk) {
-            break; /* a block nobody holds, or an error */
+        if (failed) {
+            break;
         }
+        if (j < chunk) {
+            stopped = 1; /* a key nobody holds (or none the index can hold) */
+            break;
+        }
+        prev = nodes[valid - 1];
+        by_table = 1;
+        base += valid;
     }
     if (is_packed) {
         PyBuffer_Release(&view);
