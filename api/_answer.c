@@ -412,6 +412,18 @@ entry_table_of(PyObject *entry_of)
     return strcmp(((PyCFunctionObject *)entry_of)->m_ml->ml_name, "__getitem__") == 0 ? self : NULL;
 }
 
+/* `table`'s entry for the id `item` if it is a (ref, tier) pair there (borrowed), else NULL. */
+static inline PyObject *
+table_pair(PyObject *table, PyObject *item)
+{
+    Py_ssize_t entry_id = entry_id_of(item);
+    if (entry_id < 0 || entry_id >= PyList_GET_SIZE(table)) {
+        return NULL;
+    }
+    PyObject *entry = PyList_GET_ITEM(table, entry_id);
+    return PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2 ? entry : NULL;
+}
+
 /* A new reference to entry `entry_id` (whose int is `item`): `table`'s item, or, outside it or without
  * it, `entry_of(item)`'s answer (an IndexError, as list.__getitem__ raises). NULL with an exception. */
 static PyObject *
@@ -515,22 +527,16 @@ read_first_entries(const Fields *fields, PyObject *first, Py_ssize_t n, PyObject
             }
         }
         for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t entry_id = entry_id_of(PyTuple_GET_ITEM(first, i));
-            PyObject *entry = entry_id >= 0 && entry_id < size ? PyList_GET_ITEM(table, entry_id) : NULL;
-            if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2) {
+            PyObject *entry = table_pair(table, PyTuple_GET_ITEM(first, i));
+            if (entry != NULL) {
                 __builtin_prefetch(PyTuple_GET_ITEM(entry, 0));
             }
         }
-        if (fields->pod_id.type != NULL) {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                Py_ssize_t entry_id = entry_id_of(PyTuple_GET_ITEM(first, i));
-                PyObject *entry = entry_id >= 0 && entry_id < size ? PyList_GET_ITEM(table, entry_id) : NULL;
-                if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2) {
-                    PyObject *pod_id = field_slot(&fields->pod_id, PyTuple_GET_ITEM(entry, 0));
-                    if (pod_id != NULL) {
-                        __builtin_prefetch(pod_id);
-                    }
-                }
+        for (Py_ssize_t i = 0; i < n && fields->pod_id.type != NULL; i++) {
+            PyObject *entry = table_pair(table, PyTuple_GET_ITEM(first, i));
+            PyObject *pod_id = entry == NULL ? NULL : field_slot(&fields->pod_id, PyTuple_GET_ITEM(entry, 0));
+            if (pod_id != NULL) {
+                __builtin_prefetch(pod_id);
             }
         }
     }

@@ -312,6 +312,12 @@ class Latencies:
         ordered = sorted(self.samples_s)
         return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1e3
 
+    def add(self, other: Latencies) -> None:
+        """Pool `other`'s samples and checks into these."""
+        self.samples_s.extend(other.samples_s)
+        self.checked += other.checked
+        self.correct += other.correct
+
     def summary(self) -> dict[str, Any]:
         return {
             "count": len(self.samples_s),
@@ -483,10 +489,7 @@ def _time_during_ingest(
         if result.during_ingest_s is None:
             result.during_ingest_s = done - first  # the first round's: the ingest row compares one round
         for kind, latencies in timed.items():
-            merged = result.during[kind]
-            merged.samples_s += latencies.samples_s
-            merged.checked += latencies.checked
-            merged.correct += latencies.correct
+            result.during[kind].add(latencies)
         if min(len(latencies.samples_s) for latencies in result.during.values()) >= DURING_MIN_SAMPLES:
             break
 
@@ -679,10 +682,7 @@ def merge_rounds(runs: Sequence[SubjectResult]) -> SubjectResult:
         for phase in ("idle", "during"):
             pooled: dict[str, Latencies] = getattr(merged, phase)
             for kind, latencies in getattr(run, phase).items():
-                into = pooled.setdefault(kind, Latencies())
-                into.samples_s.extend(latencies.samples_s)
-                into.checked += latencies.checked
-                into.correct += latencies.correct
+                pooled.setdefault(kind, Latencies()).add(latencies)
     during = sorted(run.during_ingest_s for run in ok if run.during_ingest_s is not None)
     merged.during_ingest_s = during[(len(during) - 1) // 2] if during else None
     return merged

@@ -1002,18 +1002,12 @@ prefetch_multi(const ShardObject *self, uint32_t n)
     }
 }
 
-/* lookup_run's result for the node of one key: its ids appended to `out`. 0 done, -1 error. */
+/* lookup_run's result for found node n: its ids appended to `out`. 0 done, -1 error. */
 static int
 append_ids(ShardObject *self, uint32_t n, PyObject *single_ids, PyObject **last, PyObject *out)
 {
     PyObject *ids = ids_of_node(self, n, single_ids, last);
-    if (ids == NULL) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_SystemError, "a found key without holders");
-        }
-        return -1;
-    }
-    return PyList_Append(out, ids);
+    return ids == NULL ? -1 : PyList_Append(out, ids);
 }
 
 static PyObject *
