@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from benchmarks.compare import FLOOR
-from benchmarks.placement import measure, placement_class, thread_cpu
+from benchmarks.placement import PlacementObserver, against_baseline, measure, placement_class, thread_cpu
 from benchmarks.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,6 +34,12 @@ def test_placement_classes() -> None:
     assert placement_class(0, 1, 1) == "moved CPU, off the client's"
 
 
+def _p99(samples: list[float]) -> float:
+    # the nearest-rank p99 of 100 or fewer samples is their largest
+    assert len(samples) <= 100
+    return max(samples)
+
+
 def test_every_timed_request_of_kvindex_and_the_floor_is_filed_once() -> None:
     spec = WorkloadSpec(num_engines=3, blocks_per_engine=64, num_prefixes=2, num_queries=6)
     observer = measure(spec, passes=2, with_dynamo=False)
@@ -46,3 +52,52 @@ def test_every_timed_request_of_kvindex_and_the_floor_is_filed_once() -> None:
             ]
             assert sum(map(len, filed)) == 2 * 6
             assert all(seconds > 0 for samples in filed for seconds in samples)
+            every = observer.every[(name, kind)].samples_s
+            assert sorted(every) == sorted(seconds for samples in filed for seconds in samples)
+    rows = against_baseline(observer, FLOOR)
+    for kind in ("tokens", "hashes", "tokens_full"):
+        whole = [row for row in rows if row[:3] == ["kvindex", kind, "every answer"]]
+        kvindex_p99 = _p99(observer.every[("kvindex", kind)].samples_s)
+        floor_p99 = _p99(observer.every[(FLOOR, kind)].samples_s)
+        assert whole == [
+            [
+                "kvindex",
+                kind,
+                "every answer",
+                12,
+                "100%",
+                f"{kvindex_p99 * 1e3:.3f}",
+                f"{kvindex_p99 / floor_p99:.2f}x",
+            ]
+        ]
+        sides = [row for row in rows if row[:2] == ["kvindex", kind] and row[2] != "every answer"]
+        assert 11 <= sum(row[3] for row in sides) <= 12  # all but the first request's, which has no side
+
+
+def test_against_baseline_splits_on_and_off_the_clients_cpu() -> None:
+    observer = PlacementObserver(["one", "base"], [1, 2], [True, False])
+    on, off = "same CPU as before, on the client's", "moved CPU, off the client's"
+    observer.by_placement[("one", "hashes", "first request")] = [0.009]
+    observer.by_placement[("one", "hashes", on)] = [0.001, 0.002]
+    observer.by_placement[("one", "hashes", "moved CPU, on the client's")] = [0.003]
+    observer.by_placement[("one", "hashes", off)] = [0.004, 0.006, 0.005]
+    observer.every[("base", "hashes")].samples_s.extend([0.010, 0.002, 0.004, 0.008])
+    observer.by_placement[("one", "tokens", off)] = [0.002]  # the baseline answered no token request
+    assert against_baseline(observer, "base") == [
+        ["one", "hashes", "every answer", 7, "100%", "9.000", "0.90x"],
+        ["one", "hashes", "on the client's CPU", 3, "43%", "3.000", "0.30x"],
+        ["one", "hashes", "off the client's CPU", 3, "43%", "6.000", "0.60x"],
+        ["one", "tokens", "every answer", 1, "100%", "2.000", "-"],
+        ["one", "tokens", "off the client's CPU", 1, "100%", "2.000", "-"],
+    ]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
+def test_apart_pins_every_answer_off_the_clients_cpu() -> None:
+    before = os.sched_getaffinity(0)
+    spec = WorkloadSpec(num_engines=3, blocks_per_engine=64, num_prefixes=2, num_queries=6)
+    observer = measure(spec, passes=1, with_dynamo=False, apart=True)
+    assert os.sched_getaffinity(0) == before  # the client's CPUs are given back
+    groups = {group for (_, _, group) in observer.by_placement}
+    assert groups and all(group == "first request" or group.endswith("off the client's") for group in groups)
+    assert sum(map(len, observer.by_placement.values())) == 2 * 3 * 6
