@@ -268,7 +268,8 @@ def test_page_quantiles_follow_prometheus_histogram_quantile(fleet: Fleet, brows
 def test_every_static_file_is_package_data() -> None:
     """A regular (non-editable) install carries only what package-data names; .ci/run checks one too."""
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    static = sorted(p.relative_to(ROOT / "api") for p in (ROOT / "api" / "static").iterdir())
+    static = sorted(p.relative_to(ROOT / "api" / "static") for p in (ROOT / "api" / "static").iterdir())
     assert static, "api/static/ is empty"
     for path in static:
-        assert any(path.match(pattern) for pattern in globs["kvindex.api"]), f"{path} is not package-data"
+        patterns = globs["kvindex.api.static"]
+        assert any(path.match(pattern) for pattern in patterns), f"{path} is not package-data"
