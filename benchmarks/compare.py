@@ -522,23 +522,22 @@ def time_queries_paired(
     subjects: Sequence[Subject],
     feed: Feed,
     requests: Sequence[dict[str, list[tuple[str, bytes]]]],
-    floor_port: int | None = None,
+    floor_ports: Sequence[int] = (),
     observe: Callable[[int, str, float], None] | None = None,
 ) -> list[dict[str, Latencies]]:
     """Idle latency of several services, request by request in turn (the first to ask swaps every
     query), each answer checked: a stall of this shared box lands on whichever request it meets, so
     over a phase it meets both services alike instead of the one that happened to run then.
 
-    `floor_port`: a FloorServer (benchmarks/floor.py) taken in turn too, sent the first service's
-    requests, its answers not checked; its latencies come last. `observe(at, kind, seconds)` is called
-    after each timed request, outside its window (`at`: the service's place in `subjects`, the floor's
-    last)."""
+    `floor_ports`: floor servers (benchmarks/floor.py) taken in turn too, each sent the first service's
+    requests, their answers not checked; their latencies come last, in this order. `observe(at, kind,
+    seconds)` is called after each timed request, outside its window (`at`: the service's place in
+    `subjects`, then the floors')."""
     if not subjects:  # every service failed before its queries
         return []
     clients = [TimedClient(subject.port) for subject in subjects]
-    if floor_port is not None:
-        clients.append(TimedClient(floor_port))
-        requests = [*requests, requests[0]]
+    clients.extend(TimedClient(port) for port in floor_ports)
+    requests = [*requests, *[requests[0]] * len(floor_ports)]
     results = [{kind: Latencies() for kind in made} for made in requests]
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as in time_queries_during
@@ -593,7 +592,7 @@ def run_round(
         subjects = [subject for subject, _ in alive.values()]
         floor = _start_floor(stack, subjects, list(requests.values()), log)
         paired = time_queries_paired(
-            subjects, feed, list(requests.values()), None if floor is None else floor.port
+            subjects, feed, list(requests.values()), () if floor is None else (floor.port,)
         )
         if floor is not None:
             results[FLOOR] = SubjectResult(FLOOR, feed.num_blocks, idle=paired.pop())

@@ -18,6 +18,8 @@ answer, as computing one would: benchmarks/wake.py asks servers that differ only
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,7 +96,7 @@ class FloorServer(ManagedProcess):
     once started."""
 
     def __init__(self, answer: bytes, startup_timeout_s: float = 30.0, work_us: float = 0.0) -> None:
-        self._answer = answer
+        self.answer = answer
         self._work_us = work_us
         self._startup_timeout_s = startup_timeout_s
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -103,7 +105,7 @@ class FloorServer(ManagedProcess):
     def start(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvindex-floor-")
         answer_file = Path(self._dir.name) / "answer.json"
-        answer_file.write_bytes(self._answer)
+        answer_file.write_bytes(self.answer)
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.floor", str(answer_file), str(self._work_us)],
@@ -112,6 +114,53 @@ class FloorServer(ManagedProcess):
         )
         try:
             self.port = self.read_port("the floor server", self._startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        super().stop(timeout_s)
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
+C_FLOOR_SOURCE = Path(__file__).with_name("c_floor.c")
+
+
+class CFloorServer(ManagedProcess):
+    """The floor without Python (benchmarks/c_floor.c, compiled here by $CC or cc): one thread in epoll,
+    the same framing and the same response bytes as FloorServer's. Beside the Python floor it shows what
+    Python and its event loop add to a server that does no work. RuntimeError without a C compiler."""
+
+    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
+        self.answer = answer
+        self._startup_timeout_s = startup_timeout_s
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            raise RuntimeError("no C compiler ($CC or cc) to build the C floor")
+        self._dir = tempfile.TemporaryDirectory(prefix="kvindex-c-floor-")
+        try:
+            binary = Path(self._dir.name) / "c_floor"
+            built = subprocess.run(
+                [compiler, "-O2", "-o", str(binary), str(C_FLOOR_SOURCE)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if built.returncode != 0:
+                raise RuntimeError(f"the C floor did not compile: {built.stderr.strip()[-500:]}")
+            response_file = Path(self._dir.name) / "response"
+            response_file.write_bytes(response_bytes(self.answer))
+            self._log = tempfile.TemporaryFile()
+            self._process = subprocess.Popen(
+                [str(binary), str(response_file)], stdout=subprocess.PIPE, stderr=self._log
+            )
+            self.port = self.read_port("the C floor server", self._startup_timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -1,6 +1,6 @@
 """Why the idle score rows move from run to run on this box: each request, split by where its server ran.
 
-`python -m benchmarks.placement [--quick] [--passes N] [--apart]` runs the score section's idle timing
+`python -m benchmarks.placement [--quick] [--passes N] [--apart] [--c-floor]` runs the score section's idle timing
 (compare.time_queries_paired: kvindex, Dynamo when available, and the floor, in turn, on the main
 workload) and, outside each request's timing window, reads from /proc where each server that answers on
 one thread (kvindex's event loop, the floor; Dynamo answers on a pool) ran it: on the same CPU as its
@@ -16,7 +16,9 @@ CPU take a path that a server doing a score's work mostly does not.
 Prints latency percentiles per (service, request kind, placement), then each one-thread server's p99 on
 and off its client's CPU over Dynamo's p99 (the floor's without Dynamo): the score table's ratio taken
 apart by placement. `--apart` pins the client to one CPU and every server to the other, as a router on
-another machine would be, so that no answer is given on the client's CPU. The reads add client work
+another machine would be, so that no answer is given on the client's CPU; `--c-floor` times the floor
+written in C as well (benchmarks/c_floor.c): what Python and its event loop add to a server that does no
+work. The reads add client work
 between requests, outside the timed windows, so the figures are close to but not the score table's own.
 """
 
@@ -46,9 +48,11 @@ from benchmarks.compare import (
     time_queries_paired,
 )
 from benchmarks.dynamo import available
+from benchmarks.floor import CFloorServer, FloorServer
 from benchmarks.workload import WorkloadSpec
 
 QUERY_KINDS = ("tokens", "hashes", "tokens_full")  # the score section's, in its order
+C_FLOOR = "C floor"  # benchmarks/floor.py CFloorServer, with --c-floor
 # proc(5)'s field 39 of a stat line, counted after the ")" that ends the command name (which may hold
 # spaces): fields 1 and 2 come before it, so it is the 37th word after.
 _PROCESSOR = 39 - 3
@@ -107,14 +111,16 @@ def percentile_rows(groups: dict[tuple[str, str, str], list[float]]) -> list[lis
 
 
 def against_baseline(observer: PlacementObserver, baseline: str) -> list[list[object]]:
-    """Per placed service and request kind: every answer, then those given on and off the client's CPU
-    (whether or not the server moved), each with its share of the answers, p99, and that p99 over the
-    p99 of every answer `baseline` gave that kind in the same run (the score table's ratio, taken apart
-    by placement). A side with no answer is left out; "-" where the baseline gave none."""
+    """Per service and request kind: every answer, then (for a placed service) those given on and off the
+    client's CPU, whether or not the server moved; each with its share of the answers, p50, p99, and
+    that p99 over the p99 of every answer `baseline` gave that kind in the same run (the score table's
+    ratio, taken apart by placement). A side with no answer is left out; "-" where the baseline gave
+    none."""
     sides: dict[tuple[str, str], dict[str, Latencies]] = defaultdict(lambda: defaultdict(Latencies))
+    for (name, kind), every in observer.every.items():
+        sides[(name, kind)]["every answer"] = every
     for (name, kind, group), samples in observer.by_placement.items():
         side = sides[(name, kind)]
-        side["every answer"].samples_s.extend(samples)
         if group.endswith("on the client's"):
             side["on the client's CPU"].samples_s.extend(samples)
         elif group.endswith("off the client's"):
@@ -125,13 +131,15 @@ def against_baseline(observer: PlacementObserver, baseline: str) -> list[list[ob
         reference = observer.every.get((baseline, kind), Latencies()).percentile_ms(0.99)
         for label in ("every answer", "on the client's CPU", "off the client's CPU"):
             latencies = side.get(label)
-            if latencies is None or not latencies.samples_s:
+            p50 = None if latencies is None else latencies.percentile_ms(0.5)
+            p99 = None if latencies is None else latencies.percentile_ms(0.99)
+            if latencies is None or p50 is None or p99 is None:
                 continue
-            p99 = latencies.percentile_ms(0.99)
-            assert p99 is not None
             ratio = "-" if reference is None else f"{p99 / reference:.2f}x"
             share = f"{100 * len(latencies.samples_s) / total:.0f}%"
-            rows.append([name, kind, label, len(latencies.samples_s), share, f"{p99:.3f}", ratio])
+            rows.append(
+                [name, kind, label, len(latencies.samples_s), share, f"{p50:.3f}", f"{p99:.3f}", ratio]
+            )
     return rows
 
 
@@ -150,9 +158,12 @@ def pin_apart(server_pids: Sequence[int]) -> Callable[[], None]:
     return lambda: os.sched_setaffinity(0, allowed)
 
 
-def measure(spec: WorkloadSpec, passes: int, with_dynamo: bool, apart: bool = False) -> PlacementObserver:
+def measure(
+    spec: WorkloadSpec, passes: int, with_dynamo: bool, apart: bool = False, c_floor: bool = False
+) -> PlacementObserver:
     """The idle timing of `spec`'s queries, `passes` times over, with a PlacementObserver; with `apart`,
-    the client and the servers on CPUs of their own (pin_apart)."""
+    the client and the servers on CPUs of their own (pin_apart); with `c_floor`, the C floor in turn too,
+    after the floor (with its answer)."""
     feed = build(spec, lambda message: print(message, flush=True))
     kinds = ("kvindex", "Dynamo") if with_dynamo else ("kvindex",)
     with ExitStack() as stack:
@@ -166,14 +177,18 @@ def measure(spec: WorkloadSpec, passes: int, with_dynamo: bool, apart: bool = Fa
             subjects.append(subject)
         requests = [_requests(subject, feed, QUERY_KINDS) for subject in subjects]
         floor = _start_floor(stack, subjects, requests, lambda message: print(message, flush=True))
-        names = [subject.name for subject in subjects] + ([] if floor is None else [FLOOR])
-        pids = [subject.pid for subject in subjects] + ([] if floor is None else [floor.pid])
+        floors: list[tuple[str, FloorServer | CFloorServer]] = [] if floor is None else [(FLOOR, floor)]
+        if floor is not None and c_floor:
+            floors.append((C_FLOOR, stack.enter_context(CFloorServer(floor.answer))))
+        names = [subject.name for subject in subjects] + [name for name, _ in floors]
+        pids = [subject.pid for subject in subjects] + [server.pid for _, server in floors]
+        ports = [server.port for _, server in floors]
         # Dynamo answers on a pool of threads: its placement is not one thread's.
         observer = PlacementObserver(names, pids, [name != "Dynamo" for name in names])
         if apart:
             stack.callback(pin_apart(pids))
         for _ in range(passes):
-            time_queries_paired(subjects, feed, requests, None if floor is None else floor.port, observer)
+            time_queries_paired(subjects, feed, requests, ports, observer)
     return observer
 
 
@@ -187,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--apart", action="store_true", help="pin the client to one CPU and every server to another"
     )
+    parser.add_argument(
+        "--c-floor", action="store_true", help="also time the floor written in C (needs a C compiler)"
+    )
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error(f"--passes must be at least 1, got {args.passes}")
@@ -198,13 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     if args.apart:
         print("client and servers pinned to CPUs of their own (--apart)")
-    observer = measure(spec, args.passes, with_dynamo, apart=args.apart)
+    observer = measure(spec, args.passes, with_dynamo, apart=args.apart, c_floor=args.c_floor)
     headers = ["service", "request", "class", "n", "p50 ms", "p90 ms", "p99 ms"]
     print("\n== by where the server's thread answered: against its previous request's CPU and the client's")
     print(format_table(headers, percentile_rows(observer.by_placement)))
     baseline = "Dynamo" if with_dynamo else FLOOR
     print(f"\n== p99 on and off the client's CPU, against {baseline}'s p99 (every answer) in this run")
-    headers = ["service", "request", "answers", "n", "share", "p99 ms", f"p99 / {baseline}'s"]
+    headers = ["service", "request", "answers", "n", "share", "p50 ms", "p99 ms", f"p99 / {baseline}'s"]
     print(format_table(headers, against_baseline(observer, baseline)))
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
     return 0

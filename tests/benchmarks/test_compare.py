@@ -65,7 +65,7 @@ def test_the_floor_is_timed_in_turn_with_the_services_and_left_unchecked() -> No
         )
         floor = stack.enter_context(FloorServer(b"[]"))
         requests = [_requests(subject, feed, ("tokens", "hashes"))]
-        service, floor_latencies = time_queries_paired([subject], feed, requests, floor.port)
+        service, floor_latencies = time_queries_paired([subject], feed, requests, (floor.port,))
     for kind in ("tokens", "hashes"):
         assert service[kind].checked == service[kind].correct == 5
         assert len(floor_latencies[kind].samples_s) == 5 and floor_latencies[kind].checked == 0

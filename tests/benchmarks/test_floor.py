@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from benchmarks.floor import FloorServer, response_bytes
+from benchmarks.floor import CFloorServer, FloorServer, response_bytes
 from benchmarks.service import JsonClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,10 +28,13 @@ def read_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def test_every_request_gets_the_canned_answer_once_its_body_is_complete() -> None:
+@pytest.mark.parametrize("server", [FloorServer, CFloorServer])
+def test_every_request_gets_the_canned_answer_once_its_body_is_complete(
+    server: type[FloorServer | CFloorServer],
+) -> None:
     response = response_bytes(ANSWER)
     with (
-        FloorServer(ANSWER) as floor,
+        server(ANSWER) as floor,
         socket.create_connection(("127.0.0.1", floor.port), timeout=10) as sock,
     ):
         # Two pipelined requests in one write, then one whose body comes in two writes.
@@ -47,8 +50,9 @@ def test_every_request_gets_the_canned_answer_once_its_body_is_complete() -> Non
         assert read_exactly(sock, len(response)) == response
 
 
-def test_the_benchmark_client_reads_the_answer_it_was_given() -> None:
-    with FloorServer(ANSWER) as floor:
+@pytest.mark.parametrize("server", [FloorServer, CFloorServer])
+def test_the_benchmark_client_reads_the_answer_it_was_given(server: type[FloorServer | CFloorServer]) -> None:
+    with server(ANSWER) as floor:
         client = JsonClient(floor.port)
         try:
             for _ in range(3):
@@ -58,3 +62,20 @@ def test_the_benchmark_client_reads_the_answer_it_was_given() -> None:
                 ]
         finally:
             client.close()
+
+
+def test_the_c_floor_reads_a_request_larger_than_its_first_buffer() -> None:
+    response = response_bytes(ANSWER)
+    big = post(b'{"token_ids": [' + b"1," * 200_000 + b"2]}")  # ~400 KB: several reads and buffer growths
+    with (
+        CFloorServer(ANSWER) as floor,
+        socket.create_connection(("127.0.0.1", floor.port), timeout=10) as sock,
+    ):
+        sock.sendall(big + post(b"{}"))
+        assert read_exactly(sock, 2 * len(response)) == 2 * response
+
+
+def test_the_c_floor_names_a_missing_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-kvindex")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        CFloorServer(ANSWER).start()
