@@ -251,6 +251,22 @@ def test_every_anomaly_at_every_offset_of_a_long_array_is_read_right_or_declined
     )  # some insertions (an id of 8 digits between two commas, ",7", ...) are plain arrays still
 
 
+@pytest.mark.parametrize("ids", sorted(ID_RUNS))
+@pytest.mark.parametrize("separator", [b",", b", "])
+def test_every_byte_deleted_from_a_long_array_is_read_right_or_declined(separator: bytes, ids: str) -> None:
+    # A deletion takes out a separator's space (at every stripe boundary among others), a comma, a digit
+    # or a bracket: what is still a plain array must read as msgspec reads it, the rest is declined.
+    text = b"[" + separator.join(str(value).encode() for value in ID_RUNS[ids]) + b"]"
+    read = 0
+    for at in range(len(text)):
+        damaged = text[:at] + text[at + 1 :]
+        packed = read_ids(damaged)
+        if packed is not None:
+            assert packed == _reference(damaged), at
+            read += 1
+    assert read > 0  # a digit deleted leaves a plain array
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
