@@ -8,7 +8,7 @@
  * packed form, with no Python object per id; the caller has msgspec decode the rest of the body with the
  * array's bytes replaced by `null`. A token array with no whitespace (what most JSON writers emit), or with
  * ", " between ids (Python's json.dumps), is read in 64-byte stripes on x86-64 (parse_dense_u32): 8,192
- * ids of a 150k vocabulary in ~26 us (~31 us spaced), not ~47 us.
+ * ids of a 150k vocabulary in ~27 us (~28 us spaced), not ~47 us.
  *
  * Only the plain shape is read: an object with exactly one top-level "token_ids" or "block_hashes" key
  * (not both, and no top-level key with an escape, which could spell either another way), whose value is
