@@ -95,6 +95,8 @@ class FloorServer(ManagedProcess):
     """`python -m benchmarks.floor` in a subprocess answering `answer` (after `work_us` of busy work); `port`
     once started."""
 
+    _name = "the floor server"
+
     def __init__(self, answer: bytes, startup_timeout_s: float = 30.0, work_us: float = 0.0) -> None:
         self.answer = answer
         self._work_us = work_us
@@ -104,19 +106,20 @@ class FloorServer(ManagedProcess):
 
     def start(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvindex-floor-")
-        answer_file = Path(self._dir.name) / "answer.json"
-        answer_file.write_bytes(self.answer)
-        self._log = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.floor", str(answer_file), str(self._work_us)],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-        )
         try:
-            self.port = self.read_port("the floor server", self._startup_timeout_s)
+            command = self._command(Path(self._dir.name))
+            self._log = tempfile.TemporaryFile()
+            self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log)
+            self.port = self.read_port(self._name, self._startup_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _command(self, workdir: Path) -> list[str]:
+        """The server's command line, its inputs written to `workdir` (removed at stop)."""
+        answer_file = workdir / "answer.json"
+        answer_file.write_bytes(self.answer)
+        return [sys.executable, "-m", "benchmarks.floor", str(answer_file), str(self._work_us)]
 
     def stop(self, timeout_s: float = 15.0) -> None:
         super().stop(timeout_s)
@@ -128,48 +131,32 @@ class FloorServer(ManagedProcess):
 C_FLOOR_SOURCE = Path(__file__).with_name("c_floor.c")
 
 
-class CFloorServer(ManagedProcess):
+class CFloorServer(FloorServer):
     """The floor without Python (benchmarks/c_floor.c, compiled here by $CC or cc): one thread in epoll,
     the same framing and the same response bytes as FloorServer's. Beside the Python floor it shows what
     Python and its event loop add to a server that does no work. RuntimeError without a C compiler."""
 
-    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
-        self.answer = answer
-        self._startup_timeout_s = startup_timeout_s
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self.port = 0
+    _name = "the C floor server"
 
-    def start(self) -> None:
+    def __init__(self, answer: bytes, startup_timeout_s: float = 30.0) -> None:
+        super().__init__(answer, startup_timeout_s)
+
+    def _command(self, workdir: Path) -> list[str]:
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
             raise RuntimeError("no C compiler ($CC or cc) to build the C floor")
-        self._dir = tempfile.TemporaryDirectory(prefix="kvindex-c-floor-")
-        try:
-            binary = Path(self._dir.name) / "c_floor"
-            built = subprocess.run(
-                [compiler, "-O2", "-o", str(binary), str(C_FLOOR_SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if built.returncode != 0:
-                raise RuntimeError(f"the C floor did not compile: {built.stderr.strip()[-500:]}")
-            response_file = Path(self._dir.name) / "response"
-            response_file.write_bytes(response_bytes(self.answer))
-            self._log = tempfile.TemporaryFile()
-            self._process = subprocess.Popen(
-                [str(binary), str(response_file)], stdout=subprocess.PIPE, stderr=self._log
-            )
-            self.port = self.read_port("the C floor server", self._startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        super().stop(timeout_s)
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        binary = workdir / "c_floor"
+        built = subprocess.run(
+            [compiler, "-O2", "-o", str(binary), str(C_FLOOR_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if built.returncode != 0:
+            raise RuntimeError(f"the C floor did not compile: {built.stderr.strip()[-500:]}")
+        response_file = workdir / "response"
+        response_file.write_bytes(response_bytes(self.answer))
+        return [str(binary), str(response_file)]
 
 
 if __name__ == "__main__":

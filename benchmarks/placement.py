@@ -1,25 +1,25 @@
 """Why the idle score rows move from run to run on this box: each request, split by where its server ran.
 
-`python -m benchmarks.placement [--quick] [--passes N] [--apart] [--c-floor]` runs the score section's idle timing
-(compare.time_queries_paired: kvindex, Dynamo when available, and the floor, in turn, on the main
-workload) and, outside each request's timing window, reads from /proc where each server that answers on
-one thread (kvindex's event loop, the floor; Dynamo answers on a pool) ran it: on the same CPU as its
-previous request or not, and on the client's CPU or not. A server woken on the other CPU than its last
-starts with cold caches; one woken on the other CPU than its client's pays a cross-CPU wake-up (on this VM
-an idle vCPU halts at once: cpuidle_haltpoll with guest_halt_poll_ns=0). The scheduler decides which,
-and a server's own work per request weighs in: `python -m benchmarks.wake` asks floor servers that differ
-only in how long they compute before answering. The one that does no work answers on the client's CPU for
-94-100% of its requests, at a p50 of 0.03-0.04 ms; those computing 5 to 280 us answer there for 0-59%, and
-each of their answers costs 0.08-0.13 ms at p50 beyond its work. So the floor's answers on the client's
-CPU take a path that a server doing a score's work mostly does not.
+`python -m benchmarks.placement [--quick] [--passes N] [--apart] [--c-floor]` runs the score section's idle
+timing (compare.time_queries_paired: kvindex, Dynamo when available, and the floor, in turn, on the main
+workload) and, outside each request's timing window, reads from /proc where each server that answers on one
+thread (kvindex's event loop, the floor; Dynamo answers on a pool) ran it: on the same CPU as its previous
+request or not, and on the client's CPU or not. A server woken on the other CPU than its last starts with cold
+caches; one woken on the other CPU than its client's pays a cross-CPU wake-up (on this VM an idle vCPU halts
+at once: cpuidle_haltpoll with guest_halt_poll_ns=0). The scheduler decides which, and a server's own work per
+request weighs in: `python -m benchmarks.wake` asks floor servers that differ only in how long they compute
+before answering. The one that does no work answers on the client's CPU for 94-100% of its requests, at a p50
+of 0.03-0.04 ms; those computing 5 to 280 us answer there for 0-59%, and each of their answers costs 0.08-0.13
+ms at p50 beyond its work. So the floor's answers on the client's CPU take a path that a server doing a
+score's work mostly does not.
 
 Prints latency percentiles per (service, request kind, placement), then each one-thread server's p99 on
 and off its client's CPU over Dynamo's p99 (the floor's without Dynamo): the score table's ratio taken
 apart by placement. `--apart` pins the client to one CPU and every server to the other, as a router on
 another machine would be, so that no answer is given on the client's CPU; `--c-floor` times the floor
 written in C as well (benchmarks/c_floor.c): what Python and its event loop add to a server that does no
-work. The reads add client work
-between requests, outside the timed windows, so the figures are close to but not the score table's own.
+work. The reads add client work between requests, outside the timed windows, so the figures are close to
+but not the score table's own.
 """
 
 from __future__ import annotations
@@ -131,10 +131,10 @@ def against_baseline(observer: PlacementObserver, baseline: str) -> list[list[ob
         reference = observer.every.get((baseline, kind), Latencies()).percentile_ms(0.99)
         for label in ("every answer", "on the client's CPU", "off the client's CPU"):
             latencies = side.get(label)
-            p50 = None if latencies is None else latencies.percentile_ms(0.5)
-            p99 = None if latencies is None else latencies.percentile_ms(0.99)
-            if latencies is None or p50 is None or p99 is None:
+            if latencies is None or not latencies.samples_s:
                 continue
+            p50, p99 = latencies.percentile_ms(0.5), latencies.percentile_ms(0.99)
+            assert p50 is not None and p99 is not None
             ratio = "-" if reference is None else f"{p99 / reference:.2f}x"
             share = f"{100 * len(latencies.samples_s) / total:.0f}%"
             rows.append(
@@ -177,7 +177,7 @@ def measure(
             subjects.append(subject)
         requests = [_requests(subject, feed, QUERY_KINDS) for subject in subjects]
         floor = _start_floor(stack, subjects, requests, lambda message: print(message, flush=True))
-        floors: list[tuple[str, FloorServer | CFloorServer]] = [] if floor is None else [(FLOOR, floor)]
+        floors: list[tuple[str, FloorServer]] = [] if floor is None else [(FLOOR, floor)]
         if floor is not None and c_floor:
             floors.append((C_FLOOR, stack.enter_context(CFloorServer(floor.answer))))
         names = [subject.name for subject in subjects] + [name for name, _ in floors]
